@@ -1,12 +1,8 @@
-"""``python -m jagg_pipeline <command>``: the only layer that knows about paths and arguments."""
+"""``gradcheck``: per-window agreement of the JAGG and no-interp gradients with the exact one."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
-
-from jagg_pipeline import __version__
 
 
 def _fraction(text: str) -> float:
@@ -23,7 +19,8 @@ def _window(text: str) -> int:
     return value
 
 
-def _add_gradcheck(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``gradcheck`` subcommand."""
     from jagg_pipeline.backbones import ANALYTIC_BACKBONES
     from jagg_pipeline.gradcheck import DTYPES, TRAJECTORIES, GradcheckSettings
 
@@ -123,25 +120,3 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
             return 1
         print(f"OK: worst window jagg rel_err {worst:.3e} <= {args.max_rel_err:.3e}")
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subcommand per stage."""
-    parser = argparse.ArgumentParser(
-        prog="python -m jagg_pipeline",
-        description="GRPO for text-to-image diffusion transformers with JAGG.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_gradcheck(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
