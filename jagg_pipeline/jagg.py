@@ -41,7 +41,8 @@ class WindowStats:
     """What one window cost and contributed.
 
     ``forward_rows`` counts step evaluations (one per step of the window and sample batch),
-    ``network_calls`` velocity calls, ``backward_calls`` backward passes through the network.
+    ``network_calls`` velocity calls, ``backward_calls`` backward calls into the network (under
+    FSDP2, one reduce-scatter per parameter group each).
     ``loss`` sums the step losses that the mode evaluated (no_interp/drop skips interiors).
     """
 
@@ -135,24 +136,26 @@ def _endpoint_weights(
 
 
 def _aggregated(
-    velocity, step_loss, latents, sigmas, cond, stats: WindowStats, weights, no_interp
+    velocity, step_loss, latents, sigmas, cond, stats: WindowStats, weights, no_interp, stack
 ) -> None:
     steps = stats.steps
     k0, k_last = steps[0], steps[-1]
     alphas = interpolation_weights(sigmas, steps, weights)
     per_step = _endpoint_weights(stats.mode, alphas, no_interp)
     interior = [k for j, k in enumerate(steps[1:-1], start=1) if per_step[j] != (0.0, 0.0)]
-
-    endpoints = _evaluate(velocity, latents, sigmas, cond, [k0, k_last])
-    stats.network_calls += 1
-    stats.forward_rows += 2
-    velocities = dict(zip((k0, k_last), endpoints.detach().chunk(2), strict=True))
+    # Stacked: one call per group (fewer launches, bigger batches). Unstacked: every call has
+    # the rollout's batch composition, so recomputed log-probs match the sampler bit for bit.
+    groups = [[k0, k_last]] if stack else [[k0], [k_last]]
+    outputs = [_evaluate(velocity, latents, sigmas, cond, group) for group in groups]
+    velocities = dict(zip((k0, k_last), torch.cat(outputs).detach().chunk(2), strict=True))
     if interior:
         with torch.no_grad():
-            v_interior = _evaluate(velocity, latents, sigmas, cond, interior)
-        velocities.update(zip(interior, v_interior.chunk(len(interior)), strict=True))
-        stats.network_calls += 1
-        stats.forward_rows += len(interior)
+            for group in [interior] if stack else [[k] for k in interior]:
+                v = _evaluate(velocity, latents, sigmas, cond, group)
+                velocities.update(zip(group, v.chunk(len(group)), strict=True))
+                stats.network_calls += 1
+    stats.network_calls += len(outputs)
+    stats.forward_rows += 2 + len(interior)
 
     s_base = s_corr = None
     for k, (w_base, w_corr) in zip(steps, per_step, strict=True):
@@ -162,8 +165,10 @@ def _aggregated(
         stats.loss += loss
         s_base = w_base * signal if s_base is None else s_base + w_base * signal
         s_corr = w_corr * signal if s_corr is None else s_corr + w_corr * signal
-    grad_out = torch.cat([s_base, s_corr]).to(endpoints.dtype)
-    torch.autograd.backward(endpoints, grad_out)
+    grad_outputs = [torch.cat([s_base, s_corr])] if stack else [s_base, s_corr]
+    torch.autograd.backward(
+        outputs, [g.to(out.dtype) for g, out in zip(grad_outputs, outputs, strict=True)]
+    )
     stats.backward_calls += 1
 
 
@@ -178,6 +183,7 @@ def window_gradient(
     *,
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
+    stack_forwards: bool = True,
 ) -> WindowStats:
     """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
 
@@ -187,6 +193,9 @@ def window_gradient(
     interior forward, one backward), ``no_interp`` (endpoints only; ``no_interp="drop"``
     ignores interior signals, ``"nearest"`` hands each to the nearer endpoint in t, ties split
     evenly). A one-step window is always exact; a two-step window under ``jagg`` is exact.
+    ``stack_forwards=False`` evaluates each step at the sample batch size (W network calls,
+    still one ``backward`` call over both endpoint outputs): slower on accelerators, but
+    recomputed log-probs then equal the rollout's bit for bit (ratio == 1 exactly).
     """
     if mode not in GRAD_MODES:
         raise ValueError(f"gradient mode must be one of {GRAD_MODES}, got {mode!r}")
@@ -196,7 +205,9 @@ def window_gradient(
     if stats.mode == "exact":
         _exact(velocity, step_loss, latents, sigmas, cond, stats)
     else:
-        _aggregated(velocity, step_loss, latents, sigmas, cond, stats, weights, no_interp)
+        _aggregated(
+            velocity, step_loss, latents, sigmas, cond, stats, weights, no_interp, stack_forwards
+        )
     return stats
 
 
@@ -253,6 +264,7 @@ def trajectory_gradient(
     routing: Sequence[bool] | None = None,
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
+    stack_forwards: bool = True,
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps``, windowed and routed.
 
@@ -277,6 +289,7 @@ def trajectory_gradient(
                 mode if routed else "exact",
                 weights=weights,
                 no_interp=no_interp,
+                stack_forwards=stack_forwards,
             )
         )
     return stats
