@@ -1,0 +1,234 @@
+"""Strict typed configuration: dataclasses <-> YAML/JSON, JSON Schema, overrides, digests.
+
+The dataclasses are the single source of truth. :func:`from_dict` builds them from parsed YAML
+and rejects unknown keys and wrong types with the dotted key and the file in the message;
+:func:`json_schema` derives the draft 2020-12 schema (defaults filled, descriptions from field
+metadata) that Snakemake validates config.yaml against. Knows nothing of torch or Snakemake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key (and the file when known)."""
+
+
+def field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with the ``help`` text the schema and the docs show."""
+    if isinstance(default, list | dict):
+        raise TypeError("use default_factory for mutable defaults")
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def _where(key: str, source: str | None) -> str:
+    return f"{source}: {key}" if source else key
+
+
+def _check(value: Any, annotation: Any, key: str, source: str | None) -> Any:
+    """``value`` converted to ``annotation``, or a ConfigError naming ``key``."""
+    origin = get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {value!r}")
+        return from_dict(annotation, value, source=source, prefix=key)
+    if origin is Literal:
+        choices = get_args(annotation)
+        if value not in choices:
+            raise ConfigError(
+                f"{_where(key, source)}: {value!r} is not one of {', '.join(map(repr, choices))}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in get_args(annotation):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check(value, option, key, source)
+            except ConfigError as exc:
+                errors.append(str(exc).split(": ", 2)[-1])
+        raise ConfigError(f"{_where(key, source)}: {value!r} fits none of: {'; '.join(errors)}")
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{_where(key, source)}: expected a list, got {value!r}")
+        (item,) = get_args(annotation)[:1] or (Any,)
+        items = [_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {value!r}")
+        _, item = get_args(annotation)
+        return {str(k): _check(v, item, f"{key}.{k}", source) for k, v in value.items()}
+    if annotation is Any:
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{_where(key, source)}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{_where(key, source)}: expected an integer, got {value!r}")
+        return value
+    if annotation in (str, bool):
+        if not isinstance(value, annotation):
+            raise ConfigError(
+                f"{_where(key, source)}: expected {annotation.__name__}, got {value!r}"
+            )
+        return value
+    raise TypeError(f"unsupported config annotation {annotation!r} at {key}")
+
+
+def from_dict(
+    cls: type[T], data: Mapping[str, Any], *, source: str | None = None, prefix: str = ""
+) -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are ConfigErrors."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        keys = ", ".join(f"{prefix}.{k}" if prefix else str(k) for k in unknown)
+        raise ConfigError(
+            f"{_where(keys, source)}: unknown key(s); known keys here: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _check(value, hints[name], key, source)
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        keys = ", ".join(f"{prefix}.{k}" if prefix else k for k in missing)
+        raise ConfigError(f"{_where(keys, source)}: required key(s) missing")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # __post_init__ checks across fields
+        raise ConfigError(f"{_where(prefix or cls.__name__, source)}: {exc}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain dict (lists, not tuples) of a config dataclass, for YAML/JSON."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
+    """Read ``path`` strictly into ``cls``, after applying ``key.sub=value`` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return from_dict(cls, apply_overrides(data, overrides), source=str(path))
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML)."""
+    result = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+        node = result
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a mapping")
+        node[leaf] = yaml.safe_load(raw)
+    return result
+
+
+def digest(config: Any) -> str:
+    """sha256 of the canonical JSON of a config: equal configs, equal digests."""
+    canonical = json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _schema(annotation: Any) -> dict[str, Any]:
+    origin = get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return _object_schema(annotation)
+    if origin is Literal:
+        return {"enum": list(get_args(annotation))}
+    if origin in (Union, types.UnionType):
+        options = [_schema(a) for a in get_args(annotation)]
+        return {"anyOf": options}
+    if origin in (list, tuple, Sequence):
+        (item,) = get_args(annotation)[:1] or (Any,)
+        return {"type": "array", "items": _schema(item)}
+    if origin in (dict, Mapping):
+        return {"type": "object", "additionalProperties": _schema(get_args(annotation)[1])}
+    simple = {
+        float: {"type": "number"},
+        int: {"type": "integer"},
+        str: {"type": "string"},
+        bool: {"type": "boolean"},
+        type(None): {"type": "null"},
+        typing.Any: {},
+    }
+    if annotation in simple:
+        return dict(simple[annotation])
+    raise TypeError(f"no JSON schema for {annotation!r}")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return to_dict(value) if dataclasses.is_dataclass(value) else value
+    return dataclasses.MISSING
+
+
+def _object_schema(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    properties, required = {}, []
+    for f in dataclasses.fields(cls):
+        prop = _schema(hints[f.name])
+        if f.metadata.get("help"):
+            prop["description"] = f.metadata["help"]
+        default = _default(f)
+        if default is dataclasses.MISSING:
+            required.append(f.name)
+        else:
+            prop["default"] = json.loads(json.dumps(default))
+        properties[f.name] = prop
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    if cls.__doc__:
+        schema["description"] = " ".join(cls.__doc__.split())
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def json_schema(cls: type) -> dict[str, Any]:
+    """The draft 2020-12 JSON Schema of dataclass ``cls`` (defaults filled, strict objects)."""
+    return {"$schema": SCHEMA_DIALECT, "title": cls.__name__, **_object_schema(cls)}
