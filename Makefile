@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.14.1 torchvision==0.29.1
 	$(PIP) --editable '.[dev]'
+	# hpsv2 (a test reference only) pins protobuf<4 and old pytest: install it without deps.
+	$(PIP) --no-deps hpsv2==1.2.0
 	touch $@
 
 run: $(STAMP)

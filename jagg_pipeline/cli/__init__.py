@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Sequence
 
 from jagg_pipeline import __version__
-from jagg_pipeline.cli import gradcheck
+from jagg_pipeline.cli import gradcheck, score
 
-COMMANDS = (gradcheck,)
+COMMANDS = (gradcheck, score)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,45 @@
+"""PickScore: CLIP-H tuned on Pick-a-Pic; exp(logit_scale) * cosine (typically 18-24).
+
+Model: transformers ``CLIPModel`` (``yuvalkirstain/PickScore_v1``) with the processor of
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, each a local ``save_pretrained`` directory or a hub
+id. Range [-exp(logit_scale), exp(logit_scale)]; the released model has exp(logit_scale) = 100
+and typical scores of 18-24.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
+from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
+
+NAME = "pickscore"
+
+
+@dataclass
+class PickScoreSpec:
+    """``rewards.pickscore``: where the model and its processor live, and how to run it."""
+
+    model: str = "yuvalkirstain/PickScore_v1"
+    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    dtype: str = "float32"
+    batch_size: int = 32
+
+
+SPEC = PickScoreSpec
+
+
+def pickscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """exp(logit_scale) * cos(image_i, prompt_i), as PickScore's reference inference does."""
+    return clip.model.logit_scale.exp().float() * clip.cosine(images, prompts)
+
+
+def load(spec: PickScoreSpec, device: torch.device) -> RewardFn:
+    """Load the model and processor named by ``spec`` onto ``device``."""
+    dtype = resolve_dtype(NAME, spec.dtype)
+    clip = load_hf_clip(NAME, spec.model, spec.processor, device, dtype)
+    return BatchedReward(NAME, partial(pickscore, clip), device, spec.batch_size)
