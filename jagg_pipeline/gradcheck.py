@@ -4,20 +4,32 @@ Builds a trajectory batch on a backbone (a straight rectified-flow ``chord`` pat
 JAGG is exact for an affine velocity field, or a real ``sde`` rollout), a GRPO objective on
 it, and compares, window by window, the jagg and no_interp gradients with the exact one. Also
 counts the backward passes each mode spends on the whole trajectory under ``jagg_frac``.
+Backbones: the analytic models, or ``tiny-flux``/``tiny-sd3``/``tiny-qwenimage`` (a tiny random
+diffusers checkpoint built in a temporary directory and loaded through its adapter, with the
+checkpoint's own sigma schedule and toy-caption conditioning).
 Returns a plain dict (the JSON report); the CLI prints and writes it.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
 from jagg_pipeline import grpo, jagg, sde
-from jagg_pipeline.backbones import AnalyticBackbone, build_analytic
+from jagg_pipeline.backbones import (
+    ANALYTIC_BACKBONES,
+    TINY_BACKBONES,
+    AnalyticBackbone,
+    Backbone,
+    build_analytic,
+    load_tiny_backbone,
+)
 from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
 
+BACKBONES: tuple[str, ...] = ANALYTIC_BACKBONES + TINY_BACKBONES
 TRAJECTORIES: tuple[str, ...] = ("chord", "sde")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -60,10 +72,10 @@ class GradcheckProblem:
     """A trajectory batch with its GRPO objective: everything the engines need."""
 
     settings: GradcheckSettings
-    backbone: AnalyticBackbone
+    backbone: AnalyticBackbone | Backbone
     latents: torch.Tensor
     sigmas: torch.Tensor
-    cond: torch.Tensor
+    cond: Any
     steps: list[int]
     coeffs: sde.StepCoefficients
     old_log_probs: torch.Tensor
@@ -75,7 +87,7 @@ class GradcheckProblem:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        return list(self.backbone.module.parameters())
+        return self.backbone.trainable_parameters()
 
     def objective(self) -> GRPOStepLoss:
         """A fresh per-step GRPO loss (mean over samples and trained steps)."""
@@ -119,21 +131,45 @@ class GradcheckProblem:
         return grad, result[0]
 
 
+def _tiny_backbone(settings: GradcheckSettings) -> Backbone:
+    """A tiny diffusers checkpoint built in a temporary directory, loaded by its adapter."""
+    with tempfile.TemporaryDirectory(prefix="jagg-gradcheck-") as directory:
+        return load_tiny_backbone(
+            settings.backbone, directory, seed=settings.seed, dtype=settings.dtype
+        )
+
+
 def build_problem(settings: GradcheckSettings) -> GradcheckProblem:
-    """The backbone, a trajectory batch on it and the GRPO data, all from ``settings.seed``."""
+    """The backbone, a trajectory batch on it and the GRPO data, all from ``settings.seed``.
+
+    Analytic backbones use the static-shift schedule (``settings.shift``) and random
+    conditioning vectors; tiny diffusers backbones their checkpoint's schedule and encoded
+    toy captions.
+    """
+    if settings.backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {BACKBONES}, got {settings.backbone!r}")
     if settings.trajectory not in TRAJECTORIES:
         raise ValueError(f"trajectory must be one of {TRAJECTORIES}, got {settings.trajectory!r}")
     if settings.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {settings.dtype!r}")
     dtype = DTYPES[settings.dtype]
-    backbone = build_analytic(settings.backbone, dtype=dtype, seed=settings.seed)
-    gen = torch.Generator().manual_seed(settings.seed + 1)
-
-    sigmas = sde.static_shift_sigmas(settings.num_steps, settings.shift)
     masks = sde.full_trajectory_masks(settings.num_steps)
     steps = masks.trained_indices
     coeffs = sde.StepCoefficients("flow_grpo", settings.noise_level)
-    cond = torch.randn(settings.batch, backbone.cond_dim, generator=gen, dtype=dtype)
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+
+    backbone: AnalyticBackbone | Backbone
+    if settings.backbone in TINY_BACKBONES:
+        from jagg_pipeline.backbones.tiny import toy_captions
+
+        backbone = _tiny_backbone(settings)
+        sigmas = backbone.sigmas(settings.num_steps).to(torch.float64)
+        captions = toy_captions()
+        cond = backbone.encode_prompts([captions[i % len(captions)] for i in range(settings.batch)])
+    else:
+        backbone = build_analytic(settings.backbone, dtype=dtype, seed=settings.seed)
+        sigmas = sde.static_shift_sigmas(settings.num_steps, settings.shift)
+        cond = torch.randn(settings.batch, backbone.cond_dim, generator=gen, dtype=dtype)
 
     if settings.trajectory == "sde":
         x_init = torch.randn(settings.batch, *backbone.latent_shape, generator=gen, dtype=dtype)

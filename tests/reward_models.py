@@ -14,7 +14,6 @@ Both are built once per session under pytest's base temp dir.
 from __future__ import annotations
 
 import functools
-import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,23 +68,6 @@ def _train(image_fn, text_fn, params, steps: int = 120) -> None:
         optimizer.step()
 
 
-def bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The real CLIP BPE vocabulary (49408 tokens) rebuilt from open_clip's bundled file.
-
-    Same construction as the OpenAI tokenizer: the 256 byte symbols, the same with ``</w>``,
-    the first 48894 merges, then the two special tokens.
-    """
-    from open_clip.tokenizer import bytes_to_unicode, default_bpe
-
-    with gzip.open(default_bpe()) as handle:
-        lines = handle.read().decode("utf-8").split("\n")
-    merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
-    symbols = list(bytes_to_unicode().values())
-    tokens = symbols + [s + "</w>" for s in symbols] + ["".join(pair) for pair in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return {token: i for i, token in enumerate(tokens)}, merges
-
-
 @dataclass(frozen=True)
 class TinyModels:
     hps_checkpoint: Path
@@ -119,12 +101,13 @@ def _build_open_clip(root: Path) -> tuple[Path, Path, Path]:
 
 
 def _build_hf_clip(root: Path) -> Path:
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
+    from jagg_pipeline.backbones.tiny import clip_tokenizer
     from jagg_pipeline.rewards.clip import HFClip
 
-    vocab, merges = bpe_vocab_and_merges()
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    tokenizer = clip_tokenizer()
+    vocab = tokenizer.get_vocab()
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )

@@ -124,6 +124,10 @@ class AnalyticBackbone:
     def velocity(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         return self.module
 
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Every parameter (the same accessor as the diffusers adapters')."""
+        return list(self.module.parameters())
+
 
 ANALYTIC_BACKBONES: tuple[str, ...] = ("affine", "mlp-dit")
 

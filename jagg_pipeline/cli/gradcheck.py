@@ -21,8 +21,7 @@ def _window(text: str) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``gradcheck`` subcommand."""
-    from jagg_pipeline.backbones import ANALYTIC_BACKBONES
-    from jagg_pipeline.gradcheck import DTYPES, TRAJECTORIES, GradcheckSettings
+    from jagg_pipeline.gradcheck import BACKBONES, DTYPES, TRAJECTORIES, GradcheckSettings
 
     defaults = GradcheckSettings()
     p = sub.add_parser(
@@ -40,10 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--backbone",
-        choices=ANALYTIC_BACKBONES,
+        choices=BACKBONES,
         default=defaults.backbone,
-        help="velocity model: 'affine' (J affine in (z, t): JAGG exact on the chord) or "
-        "'mlp-dit' (a tiny nonlinear DiT)",
+        help="velocity model: 'affine' (J affine in (z, t): JAGG exact on the chord), "
+        "'mlp-dit' (a tiny nonlinear DiT), or 'tiny-flux'/'tiny-sd3'/'tiny-qwenimage' (a tiny "
+        "random diffusers checkpoint built in a temporary directory and driven through its "
+        "backbone adapter, with the checkpoint's own sigma schedule)",
     )
     p.add_argument(
         "--window", type=_window, default=defaults.window, help="W, trained steps per window (>= 2)"
@@ -65,7 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=defaults.num_steps, help="denoising steps")
     p.add_argument("--batch", type=int, default=defaults.batch, help="samples in the batch")
-    p.add_argument("--shift", type=float, default=defaults.shift, help="static schedule shift")
+    p.add_argument(
+        "--shift",
+        type=float,
+        default=defaults.shift,
+        help="static schedule shift (analytic backbones; tiny-* use their checkpoint's scheduler)",
+    )
     p.add_argument(
         "--weights",
         choices=("time", "index"),

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline.rewards.base import config_key, to_uint8
-from jagg_pipeline.rewards.sources import load_pretrained_dir
+from jagg_pipeline.rewards.base import RewardConfigError, config_key, to_uint8
+from jagg_pipeline.sources import load_pretrained_dir
 
 
 def paired_cosine(image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
@@ -98,12 +98,14 @@ def load_hf_clip(
         model,
         "a local directory holding a transformers CLIPModel (save_pretrained) or a hub id",
         lambda source: CLIPModel.from_pretrained(source, dtype=dtype),
+        RewardConfigError,
     )
     clip_processor = load_pretrained_dir(
         config_key(reward, "processor"),
         processor,
         "a local directory holding a CLIPProcessor (save_pretrained) or a hub id",
         CLIPProcessor.from_pretrained,
+        RewardConfigError,
     )
     clip_model.to(device).eval().requires_grad_(False)
     return HFClip(model=clip_model, processor=clip_processor)

@@ -30,7 +30,7 @@ from jagg_pipeline.rewards.base import (
     resolve_dtype,
 )
 from jagg_pipeline.rewards.clip import paired_cosine
-from jagg_pipeline.rewards.sources import resolve_file
+from jagg_pipeline.sources import resolve_file
 
 NAME = "hpsv21"
 
@@ -149,6 +149,7 @@ def load_open_clip(spec: HPSv21Spec, device: torch.device) -> OpenClipScorer:
         spec.checkpoint,
         "a local HPS_v2.1_compressed.pt (https://huggingface.co/xswu/HPSv2) or a hub "
         "'owner/name/file' such as xswu/HPSv2/HPS_v2.1_compressed.pt",
+        RewardConfigError,
     )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,153 @@
+"""LoRA adapters on a backbone's transformer, through peft: inject, freeze the rest, save, load.
+
+Owns which linear layers receive adapters (the family's target suffixes minus the layers that
+cannot influence the output), and the on-disk format of an adapter: ``adapter_config.json``
+(peft's ``LoraConfig``) and ``adapter_model.safetensors`` (adapter weights only, peft's key
+names without the adapter name), so a saved adapter is small and loads onto a fresh copy of the
+same checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_NAME = "default"
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Rank, scale and placement of the adapters.
+
+    ``alpha`` defaults to ``rank`` (scale 1). ``targets`` are module-name suffixes such as
+    ``"attn.to_q"``; None takes the family's default list.
+    """
+
+    rank: int = 16
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
+
+
+def target_modules(
+    module: nn.Module, suffixes: Sequence[str], exclude: Iterable[str] = ()
+) -> list[str]:
+    """Full names of the ``nn.Linear`` layers whose name ends with a suffix, minus ``exclude``.
+
+    ``exclude`` holds module-name prefixes (layers that get no gradient, see
+    :meth:`Backbone.dead_modules`): an adapter there would never train.
+    """
+    excluded = tuple(exclude)
+    names = [
+        name
+        for name, layer in module.named_modules()
+        if isinstance(layer, nn.Linear)
+        and any(name == s or name.endswith("." + s) for s in suffixes)
+        and not any(name == e or name.startswith(e + ".") for e in excluded)
+    ]
+    if not names:
+        raise ValueError(
+            f"no linear layer of {type(module).__name__} matches the LoRA targets {list(suffixes)}"
+        )
+    return names
+
+
+def add_lora(module: nn.Module, settings: LoraSettings, targets: Sequence[str]) -> None:
+    """Inject adapters into the layers named ``targets``; freeze every other parameter."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
+        lora_dropout=settings.dropout,
+        target_modules=list(targets),
+        init_lora_weights=True,
+    )
+    module.requires_grad_(False)
+    inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    for name, param in module.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def has_lora(module: nn.Module) -> bool:
+    """Whether peft adapters have been injected into ``module``."""
+    return ADAPTER_NAME in getattr(module, "peft_config", {})
+
+
+def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights alone (peft key names, adapter name removed)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME)
+
+
+def save_lora(module: nn.Module, directory: str | Path) -> Path:
+    """Write the adapter config and weights (not the base model) into ``directory``."""
+    from safetensors.torch import save_file
+
+    if not has_lora(module):
+        raise ValueError("this backbone has no LoRA adapters to save (training mode is not 'lora')")
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    module.peft_config[ADAPTER_NAME].save_pretrained(str(target))
+    weights = {k: v.detach().contiguous().cpu() for k, v in lora_state_dict(module).items()}
+    save_file(weights, str(target / WEIGHTS_FILE))
+    return target
+
+
+def load_lora(module: nn.Module, directory: str | Path) -> None:
+    """Load the adapters saved in ``directory`` into ``module``.
+
+    Injects them if ``module`` has none; if it already has adapters (a fresh ``lora``
+    backbone), they must have the same rank, scale and layers, and their weights are replaced.
+    Raises if the files are missing or if any saved or expected adapter weight is left over.
+    """
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    source = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (source / name).is_file():
+            raise FileNotFoundError(
+                f"{source / name} not found: not a saved LoRA adapter directory"
+            )
+    config = LoraConfig.from_pretrained(str(source))
+    if has_lora(module):
+        current = module.peft_config[ADAPTER_NAME]
+        if _layout(current) != _layout(config):
+            raise ValueError(
+                f"the LoRA adapters in {source} (rank {config.r}, alpha {config.lora_alpha}) do "
+                f"not match the ones on this backbone (rank {current.r}, alpha "
+                f"{current.lora_alpha}) or target other layers"
+            )
+    else:
+        module.requires_grad_(False)
+        inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    result = set_peft_model_state_dict(
+        module, load_file(str(source / WEIGHTS_FILE)), adapter_name=ADAPTER_NAME
+    )
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"LoRA weights in {source} do not fit this transformer: missing {missing[:5]}, "
+            f"unexpected {list(result.unexpected_keys)[:5]}"
+        )
+    for name, param in module.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def _layout(config) -> tuple:
+    """What must agree for saved adapter weights to fit injected adapters."""
+    return (config.r, config.lora_alpha, sorted(config.target_modules))

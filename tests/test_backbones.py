@@ -1,0 +1,372 @@
+"""Backbone adapters on tiny Flux / SD3 / QwenImage checkpoints built offline in the real formats.
+
+Each checkpoint is a random tiny diffusers pipeline saved with ``save_pretrained``; the
+adapters load it ONLY from disk, and the in-memory pipeline is the reference.
+"""
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from jagg_pipeline import jagg, sde
+from jagg_pipeline.backbones import (
+    BackboneLoadError,
+    BackboneSpec,
+    LoraSettings,
+    load_backbone,
+)
+from jagg_pipeline.backbones.tiny import (
+    TINY_FAMILIES,
+    TINY_IMAGE_SIZE,
+    build_tiny_pipeline,
+    qwen2_tokenizer,
+    toy_captions,
+)
+from jagg_pipeline.cli import main
+from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
+from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
+
+PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
+STEPS = 4
+TOKENS = 16
+FLUX_GUIDANCE = 2.5
+UNITS = {"flux": 2, "sd3": 2, "qwenimage": 2}  # blocks of the tiny configs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (the in-memory reference pipeline, the directory it was saved to)."""
+    built = {}
+    for family in TINY_FAMILIES:
+        pipeline = build_tiny_pipeline(family)
+        pipeline.set_progress_bar_config(disable=True)
+        path = tmp_path_factory.mktemp(family)
+        pipeline.save_pretrained(path)
+        built[family] = (pipeline, path)
+    return built
+
+
+def load(checkpoints, family, **options):
+    settings = {
+        "height": TINY_IMAGE_SIZE,
+        "width": TINY_IMAGE_SIZE,
+        "dtype": "float32",
+        "max_sequence_length": TOKENS,
+        "training": "full",
+        **({"guidance_scale": FLUX_GUIDANCE} if family == "flux" else {}),
+        **options,
+    }
+    return load_backbone(BackboneSpec(family, str(checkpoints[family][1]), **settings))
+
+
+def run_pipeline(pipeline, family, cfg, output_type):
+    """The official pipeline on PROMPTS with seed 0, guided like the adapter."""
+    negative = {"negative_prompt": ""} if cfg > 1 else {}
+    guidance = {
+        "flux": {"guidance_scale": FLUX_GUIDANCE, "true_cfg_scale": cfg, **negative},
+        "sd3": {"guidance_scale": cfg},
+        "qwenimage": {"true_cfg_scale": cfg, **negative},
+    }[family]
+    return pipeline(
+        PROMPTS,
+        height=TINY_IMAGE_SIZE,
+        width=TINY_IMAGE_SIZE,
+        num_inference_steps=STEPS,
+        max_sequence_length=TOKENS,
+        generator=torch.Generator().manual_seed(0),
+        output_type=output_type,
+        **guidance,
+    ).images
+
+
+def ode_masks(steps):
+    none = torch.zeros(steps, dtype=torch.bool)
+    return sde.StepMasks(sde=none, train=none.clone())
+
+
+@pytest.mark.parametrize("cfg", [1.0, 2.0])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_ode_sampler_reproduces_the_official_pipeline(checkpoints, family, cfg):
+    pipeline, _ = checkpoints[family]
+    backbone = load(checkpoints, family, cfg_scale=cfg)
+    reference = run_pipeline(pipeline, family, cfg, "latent")
+
+    sigmas = backbone.sigmas(STEPS)
+    assert torch.equal(sigmas, pipeline.scheduler.sigmas)  # the pipeline's own schedule
+    cond = backbone.encode_prompts(PROMPTS)
+    noise = backbone.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    ode = sde.StepCoefficients("ode", 0.0)
+    latents = sde.sample(backbone.velocity, cond, noise, sigmas, ode_masks(STEPS), ode).latents
+    assert latents.shape[2:] == reference.shape[1:] == backbone.latent_shape
+    torch.testing.assert_close(latents[:, -1], reference, rtol=1e-5, atol=1e-5)
+    # Every convention matters: the latents move far from the noise along the way.
+    assert (reference - noise).abs().max() > 0.5
+
+    if cfg == 1.0:
+        images = run_pipeline(pipeline, family, cfg, "pt")
+        decoded = backbone.decode(latents[:, -1])
+        assert decoded.shape == (len(PROMPTS), 3, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE)
+        torch.testing.assert_close(decoded, images, rtol=1e-5, atol=1e-5)
+
+
+def test_qwenimage_schedule_ends_at_its_shift_terminal(checkpoints):
+    sigmas = load(checkpoints, "qwenimage").sigmas(STEPS)
+    assert sigmas[0] == 1.0 and sigmas[-1] == 0.0
+    assert sigmas[-2].item() == pytest.approx(0.02)
+
+
+def rollout(backbone, seed=1):
+    """An SDE (Flow-GRPO) rollout of PROMPTS and the GRPO objective factory on it."""
+    gen = torch.Generator().manual_seed(seed)
+    cond = backbone.encode_prompts(PROMPTS)
+    sigmas = backbone.sigmas(STEPS)
+    masks = sde.full_trajectory_masks(STEPS)
+    coeffs = sde.StepCoefficients("flow_grpo", 0.7)
+    noise = backbone.initial_noise(len(PROMPTS), gen)
+    traj = sde.sample(backbone.velocity, cond, noise, sigmas, masks, coeffs, gen)
+    steps = masks.trained_indices
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+    def objective():
+        return GRPOStepLoss(traj.latents, sigmas, traj.log_probs, advantages, steps, coeffs, 1e-4)
+
+    return traj, cond, steps, coeffs, objective
+
+
+def grpo_gradient(backbone, traj, cond, steps, objective, mode):
+    return jagg.trajectory_gradient(
+        backbone.velocity, objective(), traj.latents, traj.sigmas, cond, steps, window=2, mode=mode
+    )
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_sde_rollout_ratio_is_one_and_jagg_equals_exact_at_w2(checkpoints, family):
+    backbone = load(checkpoints, family, cfg_scale=2.0)
+    traj, cond, steps, coeffs, objective = rollout(backbone)
+    assert traj.log_probs[:, steps].abs().min() > 0
+    recomputed = recompute_log_probs(
+        backbone.velocity, traj.latents, traj.sigmas, cond, steps, coeffs
+    )
+    assert torch.equal(recomputed, traj.log_probs[:, steps])  # ratio == 1 exactly
+
+    params = backbone.trainable_parameters()
+    grads = {
+        mode: jagg.collect_gradient(
+            params, lambda mode=mode: grpo_gradient(backbone, traj, cond, steps, objective, mode)
+        )
+        for mode in ("exact", "jagg")
+    }
+    assert grads["exact"].norm() > 0
+    assert jagg.agreement(grads["jagg"], grads["exact"]).rel_err < 1e-5
+
+    # One jagg optimiser step: every trainable parameter gets a gradient, the policy moves.
+    z, sigma = traj.latents[:, 1], traj.sigmas[1].expand(2)
+    before = backbone.velocity(z, sigma, cond).detach()
+    stats = grpo_gradient(backbone, traj, cond, steps, objective, "jagg")
+    assert stats.backward_calls == 2
+    assert [
+        n for n, p in backbone.transformer.named_parameters() if p.requires_grad and p.grad is None
+    ] == []
+    torch.optim.SGD(params, lr=1e-2).step()
+    assert not torch.allclose(backbone.velocity(z, sigma, cond), before)
+
+
+def test_qwenimage_last_block_text_stream_gets_no_gradient_and_stays_frozen(checkpoints):
+    backbone = load(checkpoints, "qwenimage")
+    dead = [
+        p
+        for prefix in backbone.dead_modules()
+        for p in backbone.transformer.get_submodule(prefix).parameters()
+    ]
+    assert dead and not any(p.requires_grad for p in dead)
+    assert not any(p is q for p in backbone.trainable_parameters() for q in dead)
+    for p in dead:  # unfreeze them: they really receive nothing, while the rest all do
+        p.requires_grad_(True)
+    cond = backbone.encode_prompts(PROMPTS)
+    z = backbone.initial_noise(2, torch.Generator().manual_seed(0))
+    backbone.velocity(z, torch.full((2,), 0.5), cond).square().mean().backward()
+    assert all(p.grad is None for p in dead)
+    live = [p for p in backbone.transformer.parameters() if not any(p is q for q in dead)]
+    assert all(p.grad is not None for p in live)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_lora_trains_only_adapters_and_round_trips(checkpoints, family, tmp_path):
+    settings = LoraSettings(rank=4)
+    backbone = load(checkpoints, family, training="lora", lora=settings)
+    names = [n for n, p in backbone.transformer.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert not any(n.startswith(tuple(backbone.dead_modules())) for n in names)
+    base = {n: p.detach().clone() for n, p in backbone.transformer.named_parameters()}
+
+    traj, cond, steps, _, objective = rollout(backbone)
+    z, sigma = traj.latents[:, 1], traj.sigmas[1].expand(2)
+    untrained = backbone.velocity(z, sigma, cond).detach()
+    optimiser = torch.optim.Adam(backbone.trainable_parameters(), lr=1e-2)
+    for mode in ("exact", "jagg"):
+        optimiser.zero_grad()
+        grpo_gradient(backbone, traj, cond, steps, objective, mode)
+        assert all(p.grad is not None for p in backbone.trainable_parameters())
+        optimiser.step()
+    after = dict(backbone.transformer.named_parameters())
+    changed = {n for n, p in after.items() if not torch.equal(p, base[n])}
+    assert changed and all("lora_" in n for n in changed)
+    trained = backbone.velocity(z, sigma, cond).detach()
+    assert not torch.allclose(trained, untrained)
+
+    saved = backbone.save_lora(tmp_path / "adapter")
+    assert sorted(f.name for f in saved.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    weights = load_file(str(saved / "adapter_model.safetensors"))
+    assert weights and all("lora_" in k for k in weights)
+    assert sum(w.numel() for w in weights.values()) < 0.5 * sum(v.numel() for v in base.values())
+
+    for training in ("lora", "full"):  # into fresh adapters, or injected into a plain model
+        fresh = load(checkpoints, family, training=training, lora=settings)
+        torch.testing.assert_close(fresh.velocity(z, sigma, cond), untrained)
+        fresh.load_lora(saved)
+        assert torch.equal(fresh.velocity(z, sigma, cond), trained)
+        assert all("lora_" in n for n, p in fresh.transformer.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_fsdp_units_and_activation_checkpointing(checkpoints, family):
+    backbone = load(checkpoints, family)
+    units = backbone.fsdp_units()
+    assert len(units) == UNITS[family]
+    assert all(type(u).__name__ in backbone.transformer._no_split_modules for u in units)
+
+    cond = backbone.encode_prompts(PROMPTS)
+    z = backbone.initial_noise(2, torch.Generator().manual_seed(0))
+    sigma = torch.full((2,), 0.7)
+    params = backbone.trainable_parameters()
+    calls = []
+    forward = units[0].forward
+
+    def counted(*args, **kwargs):  # a forward hook would miss checkpointing's re-run
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    units[0].forward = counted
+
+    def gradient():
+        calls.clear()
+        return jagg.collect_gradient(
+            params, lambda: backbone.velocity(z, sigma, cond).square().mean().backward()
+        )
+
+    plain = gradient()
+    assert len(calls) == 1
+    backbone.set_gradient_checkpointing(True)
+    checkpointed = gradient()
+    assert len(calls) == 2  # the block ran again in backward
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_cached_conditioning_drives_a_backbone_without_text_encoders(checkpoints, tmp_path):
+    full = load(checkpoints, "flux", cfg_scale=2.0)
+    save_file(full.encode_prompts(PROMPTS), str(tmp_path / "cond.safetensors"))
+    cached = load_file(str(tmp_path / "cond.safetensors"))
+    light = load(checkpoints, "flux", cfg_scale=2.0, load_text_encoders=False)
+    assert light.text == {}
+    with pytest.raises(RuntimeError, match="load_text_encoders"):
+        light.encode_prompts(PROMPTS)
+    z = full.initial_noise(2, torch.Generator().manual_seed(0))
+    sigma = torch.full((2,), 0.5)
+    expected = full.velocity(z, sigma, full.encode_prompts(PROMPTS))
+    assert torch.equal(light.velocity(z, sigma, cached), expected)
+    no_cfg = {k: v for k, v in cached.items() if not k.startswith("negative_")}
+    with pytest.raises(KeyError, match="cfg_scale"):
+        light.velocity(z, sigma, no_cfg)
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/nonexistent/models/flux-dev", "no such local directory"),
+        ("nobody-has/this-model", "not in the local cache"),
+    ],
+)
+def test_a_missing_checkpoint_fails_fast_naming_the_key(path, message):
+    start = time.monotonic()
+    with pytest.raises(BackboneLoadError, match=message) as error:
+        load_backbone(BackboneSpec("flux", path, key="policy.backbone"))
+    assert time.monotonic() - start < 5
+    assert "policy.backbone.path" in str(error.value)
+
+
+def test_wrong_checkpoints_give_clear_errors(checkpoints, tmp_path):
+    with pytest.raises(BackboneLoadError, match=r"model_index\.json not found"):
+        load_backbone(BackboneSpec("sd3", str(tmp_path)))
+    with pytest.raises(BackboneLoadError, match=r"FluxPipeline.*backbone\.family='sd3'"):
+        load_backbone(BackboneSpec("sd3", str(checkpoints["flux"][1])))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(checkpoints["sd3"][1] / "model_index.json", partial)
+    with pytest.raises(BackboneLoadError, match="incomplete download"):
+        load_backbone(BackboneSpec("sd3", str(partial)))
+    with pytest.raises(ValueError, match=r"no guidance embedding.*backbone\.cfg_scale"):
+        load(checkpoints, "sd3", guidance_scale=3.0)
+    with pytest.raises(ValueError, match=r"backbone\.height/width"):
+        load(checkpoints, "flux", height=30)
+    with pytest.raises(ValueError, match="unknown backbone family"):
+        load_backbone(BackboneSpec("unet", str(tmp_path)))
+
+
+def test_qwenimage_rejects_a_tokenizer_that_misplaces_the_template_cut(checkpoints, tmp_path):
+    copy = tmp_path / "qwen"
+    shutil.copytree(checkpoints["qwenimage"][1], copy)
+    shutil.rmtree(copy / "tokenizer")
+    qwen2_tokenizer(corpus=toy_captions()).save_pretrained(copy / "tokenizer")
+    with pytest.raises(ValueError, match="not 34"):
+        load_backbone(BackboneSpec("qwenimage", str(copy), height=32, width=32, dtype="float32"))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_gradcheck_runs_on_tiny_backbones(family):
+    settings = GradcheckSettings(backbone=f"tiny-{family}", window=2, num_steps=4, batch=2)
+    report = run_gradcheck(settings)
+    assert set(report) == {
+        "settings",
+        "sigmas",
+        "trained_steps",
+        "windows",
+        "backward_calls",
+        "trajectory",
+    }
+    assert report["backward_calls"] == {"exact": 3, "jagg": 2, "no_interp": 2}
+    assert all(w["jagg"]["rel_err"] < 1e-10 for w in report["windows"])
+    assert report["sigmas"][-2] < report["sigmas"][0] == 1.0
+
+
+def test_gradcheck_cli_accepts_a_tiny_backbone(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    argv = ["gradcheck", "--backbone", "tiny-qwenimage", "--window", "2", "--steps", "4"]
+    assert main([*argv, "--batch", "2", "--json", str(report), "--max-rel-err", "1e-10"]) == 0
+    assert "OK: worst window" in capsys.readouterr().out
+    assert json.loads(report.read_text())["settings"]["backbone"] == "tiny-qwenimage"
+
+
+def test_a_hub_id_resolves_through_the_local_hub_cache(checkpoints, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-flux"
+    shutil.copytree(checkpoints["flux"][1], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = BackboneSpec("flux", "tiny-org/tiny-flux", height=32, width=32, dtype="float32")
+    backbone = load_backbone(spec)
+    assert backbone.path == repo / "snapshots" / commit
+    reference = load(checkpoints, "flux", max_sequence_length=None, guidance_scale=None)
+    cond = reference.encode_prompts(PROMPTS)
+    z = reference.initial_noise(2, torch.Generator().manual_seed(0))
+    sigma = torch.full((2,), 0.5)
+    assert torch.equal(backbone.velocity(z, sigma, cond), reference.velocity(z, sigma, cond))
