@@ -34,17 +34,25 @@ def field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> An
     return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
 
 
+def _config_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields a config file may set (``internal`` ones are set by code only)."""
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
 def _where(key: str, source: str | None) -> str:
     return f"{source}: {key}" if source else key
 
 
-def _check(value: Any, annotation: Any, key: str, source: str | None) -> Any:
-    """``value`` converted to ``annotation``, or a ConfigError naming ``key``."""
+def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any = None) -> Any:
+    """``value`` converted to ``annotation``, or a ConfigError naming ``key``.
+
+    ``base``: for a section, the values its keys default to.
+    """
     origin = get_origin(annotation)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{_where(key, source)}: expected a mapping, got {value!r}")
-        return from_dict(annotation, value, source=source, prefix=key)
+        return from_dict(annotation, value, source=source, prefix=key, base=base)
     if origin is Literal:
         choices = get_args(annotation)
         if value not in choices:
@@ -94,41 +102,73 @@ def _check(value: Any, annotation: Any, key: str, source: str | None) -> Any:
     raise TypeError(f"unsupported config annotation {annotation!r} at {key}")
 
 
+def _default_value(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
 def from_dict(
-    cls: type[T], data: Mapping[str, Any], *, source: str | None = None, prefix: str = ""
+    cls: type[T],
+    data: Mapping[str, Any],
+    *,
+    source: str | None = None,
+    prefix: str = "",
+    base: Any = None,
 ) -> T:
-    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are ConfigErrors."""
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types are ConfigErrors.
+
+    Keys that ``data`` leaves out take their value from ``base`` (an instance of ``cls``) or
+    else the field default; a nested section given in part keeps the rest of its default, so
+    ``backbone: {dtype: bfloat16}`` changes only the dtype of the default backbone.
+    """
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = _config_fields(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         keys = ", ".join(f"{prefix}.{k}" if prefix else str(k) for k in unknown)
         raise ConfigError(
             f"{_where(keys, source)}: unknown key(s); known keys here: {', '.join(fields)}"
         )
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _check(value, hints[name], key, source)
-    missing = [
-        name
-        for name, f in fields.items()
-        if name not in kwargs
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
+    kwargs, missing = {}, []
+    for name, f in fields.items():
+        default = getattr(base, name) if base is not None else _default_value(f)
+        if name in data:
+            key = f"{prefix}.{name}" if prefix else name
+            nested_base = default if dataclasses.is_dataclass(default) else None
+            kwargs[name] = _check(data[name], hints[name], key, source, nested_base)
+        elif default is dataclasses.MISSING:
+            missing.append(name)
+        else:
+            kwargs[name] = default
     if missing:
         keys = ", ".join(f"{prefix}.{k}" if prefix else k for k in missing)
         raise ConfigError(f"{_where(keys, source)}: required key(s) missing")
+    internal = {
+        f.name: getattr(base, f.name)
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("internal") and base is not None
+    }
     try:
-        return cls(**kwargs)
+        return cls(**kwargs, **internal)
     except (ValueError, TypeError) as exc:  # __post_init__ checks across fields
-        raise ConfigError(f"{_where(prefix or cls.__name__, source)}: {exc}") from None
+        message = str(exc)
+        if not (prefix and message.startswith(prefix)):
+            message = f"{prefix or cls.__name__}: {message}"
+        raise ConfigError(_where(message, source)) from None
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain dict (lists, not tuples) of a config dataclass, for YAML/JSON."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
+def to_dict(config: Any) -> Any:
+    """Plain data (dicts, lists) of a config dataclass, for YAML/JSON; internal fields left out."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {name: to_dict(getattr(config, name)) for name in _config_fields(type(config))}
+    if isinstance(config, list | tuple):
+        return [to_dict(item) for item in config]
+    if isinstance(config, Mapping):
+        return {str(key): to_dict(value) for key, value in config.items()}
+    return config
 
 
 def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
@@ -195,27 +235,23 @@ def _schema(annotation: Any) -> dict[str, Any]:
     raise TypeError(f"no JSON schema for {annotation!r}")
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-        return to_dict(value) if dataclasses.is_dataclass(value) else value
-    return dataclasses.MISSING
-
-
-def _object_schema(cls: type) -> dict[str, Any]:
+def _object_schema(cls: type, base: Any = None) -> dict[str, Any]:
+    """Schema of a section; ``base`` (an instance) supplies defaults, as in :func:`from_dict`."""
     hints = get_type_hints(cls)
     properties, required = {}, []
-    for f in dataclasses.fields(cls):
-        prop = _schema(hints[f.name])
+    for f in _config_fields(cls).values():
+        default = getattr(base, f.name) if base is not None else _default_value(f)
+        annotation = hints[f.name]
+        if dataclasses.is_dataclass(annotation) and dataclasses.is_dataclass(default):
+            prop = _object_schema(annotation, default)
+        else:
+            prop = _schema(annotation)
         if f.metadata.get("help"):
             prop["description"] = f.metadata["help"]
-        default = _default(f)
         if default is dataclasses.MISSING:
             required.append(f.name)
         else:
-            prop["default"] = json.loads(json.dumps(default))
+            prop["default"] = to_dict(default)
         properties[f.name] = prop
     schema: dict[str, Any] = {
         "type": "object",

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 from reward_models import COLOURS, OPEN_CLIP_CONFIG, caption, colour_images, tiny_models
 
+from jagg_pipeline.configtools import to_dict
 from jagg_pipeline.grpo import group_advantages
 from jagg_pipeline.rewards import (
     REWARDS,
@@ -201,7 +202,7 @@ def test_config_errors_name_the_key(models, tmp_path):
         RewardConfigError, match=r"rewards\.pickscore\.batch_size: expected an integer"
     ):
         parse_spec("pickscore", {"batch_size": "many"})
-    with pytest.raises(RewardConfigError, match=r"rewards\.nope: unknown reward"):
+    with pytest.raises(RewardConfigError, match=r"rewards\.weights\.nope: unknown reward"):
         parse_rewards({"weights": {"nope": 1.0}})
     with pytest.raises(RewardConfigError, match=r"rewards\.weights: required"):
         parse_rewards({"hpsv21": {}})
@@ -222,7 +223,7 @@ def test_config_errors_name_the_key(models, tmp_path):
     )
     assert spec.weights == {"hpsv21": 2.0} and spec.normalize_separately
     assert spec.spec("clipscore").batch_size == 8
-    assert spec.to_dict()["hpsv21"]["arch"] == "ViT-H-14"
+    assert to_dict(spec)["hpsv21"]["arch"] == "ViT-H-14"
 
 
 def test_combine_rewards_by_hand():

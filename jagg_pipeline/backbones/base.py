@@ -103,7 +103,8 @@ class BackboneSpec:
     lora: lora.LoraSettings = field(default_factory=lora.LoraSettings)
     gradient_checkpointing: bool = False
     load_text_encoders: bool = True
-    key: str = "backbone"
+    # The config path that error messages name; set by code, not by config files.
+    key: str = field(default="backbone", metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Sequence
 
 from jagg_pipeline import __version__
-from jagg_pipeline.cli import gradcheck, score
+from jagg_pipeline.cli import config, gradcheck, score
 
-COMMANDS = (gradcheck, score)
+COMMANDS = (config, gradcheck, score)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -300,6 +300,7 @@ def _run_score(args: argparse.Namespace) -> int:
 
     from jagg_pipeline import __version__
     from jagg_pipeline.artifacts import atomic_write_json
+    from jagg_pipeline.configtools import to_dict
     from jagg_pipeline.prompts import PromptFileError
     from jagg_pipeline.rewards import MultiReward, RewardConfigError, parse_rewards
 
@@ -345,7 +346,7 @@ def _run_score(args: argparse.Namespace) -> int:
     manifest = {
         "command": "score",
         "version": __version__,
-        "rewards": spec.to_dict(),
+        "rewards": to_dict(spec),
         "device": args.device,
         "inputs": {
             "images": str(args.images),

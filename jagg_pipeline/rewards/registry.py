@@ -20,21 +20,18 @@ Model settings may also be given for rewards that are not weighted (e.g. evaluat
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from jagg_pipeline.configtools import ConfigError, from_dict
 from jagg_pipeline.rewards import clipscore, hpsv21, jpeg, pickscore
 from jagg_pipeline.rewards.base import RewardConfigError, RewardFn, spec_from_mapping
 
 _MODULES: tuple[ModuleType, ...] = (hpsv21, pickscore, clipscore, jpeg)
-
-# Keys of the section that are not reward names.
-_SECTION_KEYS = ("weights", "normalize_separately")
 
 
 @dataclass(frozen=True)
@@ -82,53 +79,75 @@ def load_reward(name: str, spec: Any = None, device: str | torch.device = "cpu")
     return info.load(spec, torch.device(device))
 
 
-@dataclass
-class RewardsSpec:
-    """The ``rewards:`` section: weights of the rewards that run and each model's settings."""
-
-    weights: dict[str, float]
-    normalize_separately: bool = False
-    specs: dict[str, Any] = field(default_factory=dict)
-
-    def spec(self, name: str) -> Any:
-        """The settings of reward ``name``: given ones, else its defaults."""
-        return self.specs[name] if name in self.specs else reward_info(name).spec_type()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The section as plain data (for manifests); the inverse of :func:`parse_rewards`."""
-        out: dict[str, Any] = {
-            "weights": dict(self.weights),
-            "normalize_separately": self.normalize_separately,
-        }
-        for name in sorted(set(self.weights) | set(self.specs)):
-            out[name] = dataclasses.asdict(self.spec(name))
-        return out
+def _check_weights(self: Any) -> None:
+    for name, weight in self.weights.items():
+        if name not in REWARDS:
+            raise ValueError(
+                f"rewards.weights.{name}: unknown reward; known rewards: "
+                f"{', '.join(sorted(REWARDS))}"
+            )
+        if weight != weight:  # NaN: a typo in a sweep would silently disable the reward
+            raise ValueError(f"rewards.weights.{name}: is NaN")
 
 
-def parse_rewards(section: Mapping[str, Any]) -> RewardsSpec:
-    """Parse a ``rewards:`` mapping strictly: unknown rewards or settings name their key."""
+def _spec(self: Any, name: str) -> Any:
+    """The settings of reward ``name``."""
+    reward_info(name)
+    return getattr(self, name)
+
+
+# One field per registered reward, so that the typed config, its JSON schema and the YAML
+# layout (`rewards: {weights: ..., hpsv21: {...}}`) all follow the registry.
+RewardsSpec = make_dataclass(
+    "RewardsSpec",
+    [
+        (
+            "weights",
+            dict[str, float],
+            field(
+                default_factory=dict,
+                metadata={"help": "which rewards run and their weights: {name: weight}"},
+            ),
+        ),
+        (
+            "normalize_separately",
+            bool,
+            field(
+                default=False,
+                metadata={"help": "group-normalise each reward's advantage before weighting"},
+            ),
+        ),
+        *(
+            (
+                name,
+                info.spec_type,
+                field(default_factory=info.spec_type, metadata={"help": info.summary}),
+            )
+            for name, info in REWARDS.items()
+        ),
+    ],
+    namespace={"__post_init__": _check_weights, "spec": _spec},
+)
+RewardsSpec.__doc__ = (
+    "The ``rewards:`` section: weights of the rewards that run, each model's settings."
+)
+RewardsSpec.__module__ = __name__
+
+
+def parse_rewards(section: Mapping[str, Any]) -> Any:
+    """Parse a ``rewards:`` mapping strictly into a :data:`RewardsSpec`; errors name the key.
+
+    At least one reward must be weighted.
+    """
     if not isinstance(section, Mapping):
         raise RewardConfigError(f"rewards: expected a mapping, got {section!r}")
-    weights_raw = section.get("weights")
-    if not isinstance(weights_raw, Mapping) or not weights_raw:
+    try:
+        spec = from_dict(RewardsSpec, section, prefix="rewards")
+    except ConfigError as err:
+        raise RewardConfigError(str(err)) from None
+    if not spec.weights:
         raise RewardConfigError(
             "rewards.weights: required, a non-empty mapping reward -> weight "
             f"(known rewards: {', '.join(sorted(REWARDS))})"
         )
-    weights = {}
-    for name, weight in weights_raw.items():
-        reward_info(name)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise RewardConfigError(f"rewards.weights.{name}: expected a number, got {weight!r}")
-        weights[name] = float(weight)
-    normalize = section.get("normalize_separately", False)
-    if not isinstance(normalize, bool):
-        raise RewardConfigError(
-            f"rewards.normalize_separately: expected true/false, got {normalize!r}"
-        )
-    specs = {
-        name: parse_spec(name, values)
-        for name, values in section.items()
-        if name not in _SECTION_KEYS
-    }
-    return RewardsSpec(weights=weights, normalize_separately=normalize, specs=specs)
+    return spec
