@@ -11,7 +11,7 @@ rewards or GRPO: a sampler takes any velocity callable ``(z, sigma, cond) -> v``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -302,6 +302,19 @@ class Trajectory:
     masks: StepMasks
 
 
+def draw_noise(
+    shape: Sequence[int],
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Standard normal noise of ``shape``; with one generator per sample, row i from the i-th."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(tuple(shape), generator=generator, dtype=dtype)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+    return torch.stack([torch.randn(tuple(shape[1:]), generator=g, dtype=dtype) for g in generator])
+
+
 @torch.no_grad()
 def sample(
     velocity: Velocity,
@@ -310,12 +323,14 @@ def sample(
     sigmas: torch.Tensor,
     masks: StepMasks,
     coeffs: StepCoefficients,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> Trajectory:
     """Run the sampler from ``x_init``: SDE (``coeffs``) on ``masks.sde`` steps, ODE elsewhere.
 
     Records the log-prob of each SDE step exactly as :func:`step` + :func:`log_prob` compute it
-    at training time, so that an unchanged policy recomputes them bit for bit.
+    at training time, so that an unchanged policy recomputes them bit for bit. ``generator``
+    may be one generator per sample: each sample's noise then depends only on its own seed,
+    not on which batch (or rank) it was sampled in.
     """
     num_steps = sigmas.numel() - 1
     if masks.sde.numel() != num_steps:
@@ -330,7 +345,7 @@ def sample(
         noisy = bool(masks.sde[i])
         noise = None
         if noisy:
-            noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            noise = draw_noise(x.shape, generator, x.dtype).to(x.device)
         result = step(v, x, sigmas[i], sigmas[i + 1], noise, coeffs if noisy else ode, sigmas[1])
         # The stored (possibly low-precision) latent is what training scores, so score it here.
         x = result.x_next.to(x_init.dtype)

@@ -174,3 +174,30 @@ def test_window_masks_draw_the_start_in_range():
     assert last.trained_indices == [7, 8] and bool(last.sde[9])
     with pytest.raises(ValueError, match="does not fit"):
         sde.window_masks(10, 3, (0, 8))
+
+
+def test_per_sample_generators_make_each_sample_independent_of_its_batch():
+    def velocity(z, sigma, cond):
+        return -z * sigma.view(-1, 1, 1, 1)
+
+    sigmas = sde.static_shift_sigmas(6, 3.0)
+    masks = sde.full_trajectory_masks(6)
+    coeffs = sde.StepCoefficients("flow_grpo", 0.7)
+    x = torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    seeds = [11, 12, 13, 14]
+    whole = sde.sample(
+        velocity, None, x, sigmas, masks, coeffs, [torch.Generator().manual_seed(s) for s in seeds]
+    )
+    half = sde.sample(
+        velocity,
+        None,
+        x[2:],
+        sigmas,
+        masks,
+        coeffs,
+        [torch.Generator().manual_seed(s) for s in seeds[2:]],
+    )
+    assert torch.equal(whole.latents[2:], half.latents)
+    assert torch.equal(whole.log_probs[2:], half.log_probs)
+    with pytest.raises(ValueError, match="3 generators for a batch of 4"):
+        sde.draw_noise((4, 2), [torch.Generator()] * 3, torch.float32)

@@ -1,0 +1,175 @@
+"""The rollout artifact: sampled trajectories as the rollout stage writes and training reads them.
+
+One :class:`TrajectoryBatch` per shard (one per rank): tensors in ``shard-<rank>.safetensors``,
+the prompt list in ``shard-<rank>.json``. :func:`load_rollout` concatenates the
+shards of a directory in rank order. Knows nothing of backbones or training: conditioning is a
+dict of tensors batched along dim 0 (what :meth:`Backbone.encode_prompts` returns), so training
+needs no text encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from jagg_pipeline.artifacts import atomic_output, atomic_write_json
+from jagg_pipeline.sde import StepMasks
+
+COND_PREFIX = "cond."
+_SHARD = re.compile(r"^shard-(\d+)\.safetensors$")
+_TENSORS = ("latents", "log_probs", "sigmas", "sde_mask", "train_mask")
+_PER_SAMPLE = ("prompt_ids", "group_ids", "seeds")
+
+
+@dataclass
+class TrajectoryBatch:
+    """B sampled trajectories of T steps and what training needs to recompute them.
+
+    ``latents`` [B, T+1, ...] (index 0 the initial noise), ``log_probs`` [B, T] (float32 at
+    least; 0 on non-SDE steps), ``sigmas`` [T+1], the step masks [T] shared by the batch,
+    ``prompt_ids`` [B] (indices into ``prompts``), ``group_ids`` [B] (GRPO groups),
+    ``seeds`` [B] (each sample's noise seed), ``cond`` the conditioning, ``images`` uint8
+    [B, 3, H, W] or None.
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    sde_mask: torch.Tensor
+    train_mask: torch.Tensor
+    prompt_ids: torch.Tensor
+    group_ids: torch.Tensor
+    seeds: torch.Tensor
+    prompts: list[str]
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        batch, steps = self.log_probs.shape
+        checks = {
+            "latents": (self.latents.shape[:2], (batch, steps + 1)),
+            "sigmas": (tuple(self.sigmas.shape), (steps + 1,)),
+            "sde_mask": (tuple(self.sde_mask.shape), (steps,)),
+            "train_mask": (tuple(self.train_mask.shape), (steps,)),
+            **{name: (tuple(getattr(self, name).shape), (batch,)) for name in _PER_SAMPLE},
+            **{f"cond.{k}": (v.shape[:1], (batch,)) for k, v in self.cond.items()},
+        }
+        if self.images is not None:
+            checks["images"] = (self.images.shape[:1], (batch,))
+        bad = {k: (tuple(got), want) for k, (got, want) in checks.items() if tuple(got) != want}
+        if bad:
+            raise ValueError(f"inconsistent trajectory batch (got, expected): {bad}")
+
+    def __len__(self) -> int:
+        return self.log_probs.shape[0]
+
+    @property
+    def masks(self) -> StepMasks:
+        return StepMasks(sde=self.sde_mask, train=self.train_mask)
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return self.masks.trained_indices
+
+    def select(self, index: torch.Tensor | list[int]) -> TrajectoryBatch:
+        """The samples at ``index`` (e.g. one minibatch of groups)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return TrajectoryBatch(
+            latents=self.latents[index],
+            log_probs=self.log_probs[index],
+            sigmas=self.sigmas,
+            sde_mask=self.sde_mask,
+            train_mask=self.train_mask,
+            prompt_ids=self.prompt_ids[index],
+            group_ids=self.group_ids[index],
+            seeds=self.seeds[index],
+            prompts=self.prompts,
+            cond={k: v[index] for k, v in self.cond.items()},
+            images=None if self.images is None else self.images[index],
+        )
+
+    def save(self, directory: str | Path, rank: int = 0) -> Path:
+        """Write ``shard-<rank>.safetensors`` and ``shard-<rank>.json`` atomically."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        tensors = {name: getattr(self, name) for name in (*_TENSORS, *_PER_SAMPLE)}
+        tensors.update({COND_PREFIX + k: v for k, v in self.cond.items()})
+        if self.images is not None:
+            tensors["images"] = self.images
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        path = directory / f"shard-{rank}.safetensors"
+        with atomic_output(path) as tmp:
+            save_file(tensors, str(tmp))
+        atomic_write_json(directory / f"shard-{rank}.json", {"prompts": self.prompts})
+        return path
+
+    @classmethod
+    def load_shard(cls, path: str | Path) -> TrajectoryBatch:
+        """Read one shard written by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        tensors = load_file(str(path))
+        meta = json.loads(path.with_suffix(".json").read_text())
+        cond = {k[len(COND_PREFIX) :]: v for k, v in tensors.items() if k.startswith(COND_PREFIX)}
+        return cls(
+            **{name: tensors[name] for name in (*_TENSORS, *_PER_SAMPLE)},
+            prompts=meta["prompts"],
+            cond=cond,
+            images=tensors.get("images"),
+        )
+
+
+def concatenate(batches: list[TrajectoryBatch]) -> TrajectoryBatch:
+    """One batch of all samples, in order; schedules, masks and prompt lists must agree."""
+    if not batches:
+        raise ValueError("nothing to concatenate")
+    first = batches[0]
+    for other in batches[1:]:
+        same = (
+            torch.equal(other.sigmas, first.sigmas)
+            and torch.equal(other.sde_mask, first.sde_mask)
+            and torch.equal(other.train_mask, first.train_mask)
+            and other.prompts == first.prompts
+        )
+        if not same:
+            raise ValueError("shards disagree on the schedule, the step masks or the prompts")
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(b, name) for b in batches])
+
+    has_images = all(b.images is not None for b in batches)
+    return TrajectoryBatch(
+        latents=cat("latents"),
+        log_probs=cat("log_probs"),
+        sigmas=first.sigmas,
+        sde_mask=first.sde_mask,
+        train_mask=first.train_mask,
+        prompt_ids=cat("prompt_ids"),
+        group_ids=cat("group_ids"),
+        seeds=cat("seeds"),
+        prompts=first.prompts,
+        cond={k: torch.cat([b.cond[k] for b in batches]) for k in first.cond},
+        images=cat("images") if has_images else None,
+    )
+
+
+def load_rollout(directory: str | Path) -> TrajectoryBatch:
+    """All shards of a rollout directory, concatenated in rank order."""
+    directory = Path(directory)
+    shards = sorted(
+        (int(m.group(1)), p)
+        for p in directory.glob("shard-*.safetensors")
+        if (m := _SHARD.match(p.name))
+    )
+    if not shards:
+        raise FileNotFoundError(f"{directory}: no shard-<rank>.safetensors files (not a rollout?)")
+    ranks = [rank for rank, _ in shards]
+    if ranks != list(range(len(ranks))):
+        raise FileNotFoundError(f"{directory}: shards {ranks} are not 0..{len(ranks) - 1}")
+    return concatenate([TrajectoryBatch.load_shard(path) for _, path in shards])
