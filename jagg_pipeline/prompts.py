@@ -6,60 +6,23 @@
 - ``.csv``: a header row; ``.parquet``: any table (needs pyarrow).
 Tabular formats read ``column`` (default ``"prompt"``); DrawBench's CSV calls it ``Prompts``
 and Pick-a-Pic's parquet ``caption``. Errors name the file, and for a missing column, the
-columns that exist. :func:`read_table` is the shared row reader (the ``score`` command reads
-its image manifests with it). The toy world's prompt generator lives with the toy world.
+columns that exist.
+:func:`~jagg_pipeline.tables.read_table` reads the tabular formats. The toy world's prompt
+generator lives with the toy world.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from jagg_pipeline.tables import TABLE_SUFFIXES, TableError, read_table
+
 DEFAULT_COLUMN = "prompt"
-TABLE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 PROMPT_SUFFIXES = (".txt", *TABLE_SUFFIXES)
-
-
-class PromptFileError(ValueError):
-    """A prompt or manifest file is missing, malformed or lacks the requested column."""
-
-
-def read_table(path: str | os.PathLike[str]) -> list[Any]:
-    """Rows of a json/jsonl/csv/parquet file: dicts (or bare strings, for json/jsonl lists)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"{path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise PromptFileError(f"{path}: not valid JSON ({err})") from None
-        if not isinstance(rows, list):
-            raise PromptFileError(f"{path}: expected a JSON list, got {type(rows).__name__}")
-        return rows
-    if suffix == ".jsonl":
-        rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise PromptFileError(f"{path}:{number}: not valid JSON ({err})") from None
-        return rows
-    if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as handle:
-            return list(csv.DictReader(handle))
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise PromptFileError(f"{path}: reading parquet needs pyarrow installed") from None
-        return pq.read_table(path).to_pylist()
-    raise PromptFileError(f"{path}: unsupported table format; use one of {TABLE_SUFFIXES}")
+# Prompt files are tables (or text): their errors are the table reader's.
+PromptFileError = TableError
 
 
 def column_values(path: str | os.PathLike[str], rows: list[Any], column: str) -> list[Any]:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-TABLE_FORMATS = (".csv", ".jsonl", ".parquet")
 
 
 @dataclass
@@ -266,35 +264,6 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_table(path: Path, rows: list[dict[str, Any]]) -> None:
-    from jagg_pipeline.artifacts import atomic_write_text
-
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
-    elif suffix == ".csv":
-        import csv
-        import io
-
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(path, buffer.getvalue())
-    else:
-        _write_parquet(path, rows)
-
-
-def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from jagg_pipeline.artifacts import atomic_output
-
-    with atomic_output(path) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-
-
 def _run_score(args: argparse.Namespace) -> int:
     import torch
 
@@ -303,14 +272,10 @@ def _run_score(args: argparse.Namespace) -> int:
     from jagg_pipeline.configtools import to_dict
     from jagg_pipeline.prompts import PromptFileError
     from jagg_pipeline.rewards import MultiReward, RewardConfigError, parse_rewards
+    from jagg_pipeline.tables import WRITE_SUFFIXES, write_table
 
-    if args.out.suffix.lower() not in TABLE_FORMATS:
-        raise SystemExit(f"error: --out {args.out}: use one of {', '.join(TABLE_FORMATS)}")
-    if args.out.suffix.lower() == ".parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise SystemExit("error: writing parquet needs pyarrow; use .csv or .jsonl") from None
+    if args.out.suffix.lower() not in WRITE_SUFFIXES:
+        raise SystemExit(f"error: --out {args.out}: use one of {', '.join(WRITE_SUFFIXES)}")
     if args.batch_size < 1:
         raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")
     if args.rewards is None and not args.reward:
@@ -338,7 +303,7 @@ def _run_score(args: argparse.Namespace) -> int:
         }
         for i, sample in enumerate(samples)
     ]
-    _write_table(args.out, rows)
+    write_table(args.out, rows)
     text_inputs = [p for p in (args.prompts, args.manifest, args.rewards) if p is not None]
     image_digest = hashlib.sha256()
     for sample in samples:
