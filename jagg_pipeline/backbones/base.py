@@ -304,19 +304,25 @@ class Backbone(ABC):
         """Make conditional and unconditional tensors stackable (QwenImage pads lengths)."""
         return cond, negative
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def encode_prompts(
+        self, prompts: Sequence[str], *, grad: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Batched conditioning of ``prompts`` (plus the negative prompt's when CFG is on).
 
         A dict of tensors batched along dim 0, on the backbone's device and dtype: it can be
         cached (e.g. safetensors) and fed to :meth:`velocity` without the text encoders.
+        ``grad=True`` keeps the graph through the text encoders (the toy world trains them
+        jointly with the transformer); GRPO never does.
         """
+        with torch.set_grad_enabled(grad):
+            return self._encode_with_negative(list(prompts))
+
+    def _encode_with_negative(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         if not self.text:
             raise RuntimeError(
                 f"text encoders were not loaded ({self.spec.key}.load_text_encoders is false): "
                 "load precomputed conditioning instead of encoding prompts"
             )
-        prompts = list(prompts)
         cond = self._encode(prompts)
         if self.cfg_scale > 1.0:
             single = self._encode([self.spec.negative_prompt])

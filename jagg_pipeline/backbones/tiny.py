@@ -147,24 +147,29 @@ def qwen2_tokenizer(
 # --------------------------------------------------------------------------------------------
 
 
-def _clip_text_config(vocab_size: int, hidden: int, projection: int):
+def clip_text_config(tokenizer, hidden: int, projection: int, layers: int = 2):
+    """A small CLIP text config whose special-token ids are ``tokenizer``'s.
+
+    CLIP pools at the first end-of-text token, so ``eos_token_id`` must be the tokenizer's.
+    """
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         projection_dim=projection,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         max_position_embeddings=77,
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
     )
 
 
-def _t5_encoder(vocab_size: int, d_model: int):
+def t5_encoder(vocab_size: int, d_model: int, layers: int = 2):
+    """A small T5 encoder (relative attention, 8 buckets)."""
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(
@@ -173,12 +178,77 @@ def _t5_encoder(vocab_size: int, d_model: int):
             d_model=d_model,
             d_ff=2 * d_model,
             d_kv=d_model // 2,
-            num_layers=2,
+            num_layers=layers,
             num_heads=2,
             relative_attention_num_buckets=8,
             decoder_start_token_id=0,
         )
     )
+
+
+def qwen_text_encoder(tokenizer, hidden: int, layers: int = 2):
+    """A small Qwen2.5-VL (the QwenImage text encoder) over ``tokenizer``'s vocabulary."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    # Multimodal rotary sections (temporal, height, width) must cover half a head's width.
+    half = hidden // 2 // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [temporal, height, half - temporal - height],
+        },
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": hidden,
+        "patch_size": 2,
+        "spatial_merge_size": 1,
+        "temporal_patch_size": 1,
+        "window_size": 4,
+        "fullatt_block_indexes": [0],
+    }
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+# Each family's scheduler settings, as its released checkpoints configure them.
+SCHEDULERS: dict[str, dict[str, object]] = {
+    "flux": {
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    },
+    "sd3": {"shift": 3.0},
+    "qwenimage": {
+        "shift": 1.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 0.9,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 8192,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+    },
+}
 
 
 def _kl_vae(scaling_factor: float, shift_factor: float):
@@ -208,18 +278,11 @@ def _tiny_flux():
     clip = clip_tokenizer()
     t5 = t5_tokenizer()
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["flux"]),
         vae=_kl_vae(scaling_factor=0.3611, shift_factor=0.1159),
-        text_encoder=CLIPTextModel(_clip_text_config(len(clip), hidden=32, projection=32)),
+        text_encoder=CLIPTextModel(clip_text_config(clip, hidden=32, projection=32)),
         tokenizer=clip,
-        text_encoder_2=_t5_encoder(len(t5), d_model=48),
+        text_encoder_2=t5_encoder(len(t5), d_model=48),
         tokenizer_2=t5,
         transformer=FluxTransformer2DModel(
             patch_size=1,
@@ -245,16 +308,17 @@ def _tiny_sd3():
     from transformers import CLIPTextModelWithProjection
 
     clip = clip_tokenizer()
+    clip_2 = clip_tokenizer(pad_token="!")
     t5 = t5_tokenizer()
     # Different CLIP widths (32, 40) so that swapped encoders fail loudly.
     return StableDiffusion3Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["sd3"]),
         vae=_kl_vae(scaling_factor=1.5305, shift_factor=0.0609),
-        text_encoder=CLIPTextModelWithProjection(_clip_text_config(len(clip), 32, 16)),
+        text_encoder=CLIPTextModelWithProjection(clip_text_config(clip, 32, 16)),
         tokenizer=clip,
-        text_encoder_2=CLIPTextModelWithProjection(_clip_text_config(len(clip), 40, 24)),
-        tokenizer_2=clip_tokenizer(pad_token="!"),
-        text_encoder_3=_t5_encoder(len(t5), d_model=80),
+        text_encoder_2=CLIPTextModelWithProjection(clip_text_config(clip_2, 40, 24)),
+        tokenizer_2=clip_2,
+        text_encoder_3=t5_encoder(len(t5), d_model=80),
         tokenizer_3=t5,
         transformer=SD3Transformer2DModel(
             sample_size=TINY_IMAGE_SIZE // 2,
@@ -279,47 +343,11 @@ def _tiny_qwenimage():
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = qwen2_tokenizer()
     hidden = 32
-    text_config = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    }
-    vision_config = {
-        "depth": 1,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_heads": 2,
-        "out_hidden_size": hidden,
-        "patch_size": 2,
-        "spatial_merge_size": 1,
-        "temporal_patch_size": 1,
-        "window_size": 4,
-        "fullatt_block_indexes": [0],
-    }
-    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
     return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            shift=1.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=0.9,
-            base_image_seq_len=256,
-            max_image_seq_len=8192,
-            shift_terminal=0.02,
-            time_shift_type="exponential",
-        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["qwenimage"]),
         vae=AutoencoderKLQwenImage(
             base_dim=8,
             z_dim=4,
@@ -329,7 +357,7 @@ def _tiny_qwenimage():
             latents_mean=[0.1, -0.2, 0.3, -0.4],
             latents_std=[1.5, 0.8, 2.0, 1.2],
         ),
-        text_encoder=Qwen2_5_VLForConditionalGeneration(config),
+        text_encoder=qwen_text_encoder(tokenizer, hidden),
         tokenizer=tokenizer,
         transformer=QwenImageTransformer2DModel(
             patch_size=2,

@@ -2,7 +2,8 @@
 
 Images are float [B, 3, H, W] in [0, 1] (see :mod:`jagg_pipeline.rewards.base`); scores are
 float32, computed without grad. Registered rewards: ``hpsv21``, ``pickscore``, ``clipscore``,
-``jpeg_compressibility``; :mod:`~jagg_pipeline.rewards.registry` says how to add one and what
+``jpeg_compressibility``, and the toy world's ``toy_attributes`` and ``toy_clipscore``;
+:mod:`~jagg_pipeline.rewards.registry` says how to add one and what
 the ``rewards:`` config section looks like, :mod:`~jagg_pipeline.rewards.multi` how several
 rewards combine into one advantage.
 """

@@ -39,9 +39,12 @@ def clipscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> tor
     return (100.0 * clip.cosine(images, prompts)).clamp(min=0.0)
 
 
-def load(spec: ClipScoreSpec, device: torch.device) -> RewardFn:
-    """Load the model and processor named by ``spec`` onto ``device``."""
-    dtype = resolve_dtype(NAME, spec.dtype)
+def load(spec: ClipScoreSpec, device: torch.device, name: str = NAME) -> RewardFn:
+    """Load the model and processor named by ``spec`` onto ``device``.
+
+    ``name``: the reward's config name in errors (the toy CLIPScore reuses this loader).
+    """
+    dtype = resolve_dtype(name, spec.dtype)
     processor = spec.processor if spec.processor is not None else spec.model
-    clip = load_hf_clip(NAME, spec.model, processor, device, dtype)
-    return BatchedReward(NAME, partial(clipscore, clip), device, spec.batch_size)
+    clip = load_hf_clip(name, spec.model, processor, device, dtype)
+    return BatchedReward(name, partial(clipscore, clip), device, spec.batch_size)

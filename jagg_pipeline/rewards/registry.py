@@ -28,10 +28,24 @@ from typing import Any
 import torch
 
 from jagg_pipeline.configtools import ConfigError, from_dict
-from jagg_pipeline.rewards import clipscore, hpsv21, jpeg, pickscore
+from jagg_pipeline.rewards import (
+    clipscore,
+    hpsv21,
+    jpeg,
+    pickscore,
+    toy_attributes,
+    toy_clipscore,
+)
 from jagg_pipeline.rewards.base import RewardConfigError, RewardFn, spec_from_mapping
 
-_MODULES: tuple[ModuleType, ...] = (hpsv21, pickscore, clipscore, jpeg)
+_MODULES: tuple[ModuleType, ...] = (
+    hpsv21,
+    pickscore,
+    clipscore,
+    jpeg,
+    toy_attributes,
+    toy_clipscore,
+)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ class PixelShuffleCodec(ModelMixin, ConfigMixin):
     def latent_channels(self) -> int:
         return self.config.z_dim
 
-    def _apply(self, x: torch.Tensor, op) -> torch.Tensor:
+    def _per_frame(self, x: torch.Tensor, op) -> torch.Tensor:
         if x.dim() == 5:  # QwenImage layout (B, C, frames, h, w)
             frames = x.shape[2]
             flat = x.transpose(1, 2).flatten(0, 1)
@@ -94,12 +94,12 @@ class PixelShuffleCodec(ModelMixin, ConfigMixin):
 
     def encode(self, x: torch.Tensor, return_dict: bool = True):
         """Pixels in [-1, 1] to latents (exact)."""
-        latents = self._apply(x, nn.functional.pixel_unshuffle)
+        latents = self._per_frame(x, nn.functional.pixel_unshuffle)
         return _EncoderOutput(_Latents(latents)) if return_dict else (_Latents(latents),)
 
     def decode(self, z: torch.Tensor, return_dict: bool = True):
         """Latents to pixels in [-1, 1] (exact inverse of :meth:`encode`)."""
-        pixels = self._apply(z, nn.functional.pixel_shuffle)
+        pixels = self._per_frame(z, nn.functional.pixel_shuffle)
         return _DecoderOutput(pixels) if return_dict else (pixels,)
 
 

@@ -1,0 +1,97 @@
+"""Pictures people would rather look at than read: image grids with captions, loss curves.
+
+Grids use Pillow only; curves use matplotlib (headless backend), imported when drawn.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from jagg_pipeline.artifacts import atomic_output
+
+
+def image_grid(
+    images: torch.Tensor,
+    captions: Sequence[str] | None = None,
+    *,
+    columns: int = 4,
+    scale: int = 4,
+    caption_lines: int = 3,
+) -> object:
+    """A PIL image: uint8 images [B, 3, H, W] upscaled ``scale`` x, each with its caption below."""
+    from PIL import Image, ImageDraw
+
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(f"expected uint8 images [B, 3, H, W], got {images.dtype} {images.shape}")
+    count, _, height, width = images.shape
+    cell_w, cell_h = width * scale, height * scale
+    chars = max(8, cell_w // 6)  # the default bitmap font is about 6 px wide
+    text_h = 12 * caption_lines if captions is not None else 0
+    rows = -(-count // columns)
+    grid = Image.new("RGB", (columns * (cell_w + 4), rows * (cell_h + text_h + 4)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i in range(count):
+        x = (i % columns) * (cell_w + 4) + 2
+        y = (i // columns) * (cell_h + text_h + 4) + 2
+        tile = Image.fromarray(images[i].permute(1, 2, 0).cpu().numpy())
+        grid.paste(tile.resize((cell_w, cell_h), Image.NEAREST), (x, y))
+        if captions is not None:
+            lines = textwrap.wrap(captions[i], chars)[:caption_lines]
+            draw.multiline_text((x, y + cell_h + 1), "\n".join(lines), fill="black", spacing=1)
+    return grid
+
+
+def save_image_grid(
+    path: str | Path, images: torch.Tensor, captions: Sequence[str] | None = None, **options: int
+) -> Path:
+    """Write :func:`image_grid` as a PNG, atomically."""
+    grid = image_grid(images, captions, **options)
+    with atomic_output(path) as tmp:
+        grid.save(tmp, format="PNG")
+    return Path(path)
+
+
+def save_curves(
+    path: str | Path,
+    curves: Mapping[str, Sequence[float]],
+    *,
+    title: str = "",
+    xlabel: str = "step",
+    ylabel: str = "loss",
+    smooth: int = 25,
+    log_y: bool = True,
+) -> Path:
+    """Plot each curve (raw, faint, and a running mean over ``smooth`` points) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for name, values in curves.items():
+        series = torch.tensor(list(values), dtype=torch.float64)
+        (line,) = axes.plot(series.numpy(), alpha=0.25, linewidth=0.8)
+        if len(series) >= smooth > 1:
+            kernel = torch.ones(smooth, dtype=torch.float64) / smooth
+            mean = torch.nn.functional.conv1d(series[None, None], kernel[None, None])[0, 0]
+            axes.plot(
+                range(smooth - 1, len(series)), mean.numpy(), color=line.get_color(), label=name
+            )
+        else:
+            line.set_label(name)
+    if log_y:
+        axes.set_yscale("log")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format="png")
+    plt.close(figure)
+    return Path(path)

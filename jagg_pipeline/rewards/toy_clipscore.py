@@ -1,0 +1,35 @@
+"""Toy CLIPScore: CLIPScore (max(100 cos, 0), in [0, 100]) under the toy world's CLIP.
+
+The same code path as ``clipscore`` (:mod:`jagg_pipeline.rewards.clipscore`) with the toy CLIP
+that ``python -m jagg_pipeline toyworld build`` trains and saves; the held-out second metric
+next to ``toy_attributes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from jagg_pipeline.rewards import clipscore
+from jagg_pipeline.rewards.base import RewardFn
+
+NAME = "toy_clipscore"
+
+
+@dataclass
+class ToyClipScoreSpec:
+    """``rewards.toy_clipscore``: the toy CLIP directory (model and processor)."""
+
+    model: str = "results/toyworld/clip"
+    dtype: str = "float32"
+    batch_size: int = 256
+
+
+SPEC = ToyClipScoreSpec
+
+
+def load(spec: ToyClipScoreSpec, device: torch.device) -> RewardFn:
+    """Load the toy CLIP named by ``spec`` onto ``device``."""
+    shared = clipscore.ClipScoreSpec(model=spec.model, dtype=spec.dtype, batch_size=spec.batch_size)
+    return clipscore.load(shared, device, name=NAME)

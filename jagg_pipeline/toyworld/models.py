@@ -1,0 +1,149 @@
+"""The toy world's checkpoints: real diffusers pipelines (SD3, Flux, QwenImage) in tiny configs.
+
+Each toy pipeline is the family's own pipeline class with its real transformer and text-encoder
+classes, the toy world's word-level tokenizers (QwenImage keeps its byte-level BPE, trained on
+the toy captions, because its prompt template must cut at 34 tokens), and the lossless
+:class:`~jagg_pipeline.toyworld.codec.PixelShuffleCodec` as its VAE: 32 x 32 images become
+12 x 16 x 16 latents. ``save_pretrained`` writes it like any checkpoint and the backbone
+adapters load it through their ordinary code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jagg_pipeline.backbones.tiny import (
+    SCHEDULERS,
+    clip_text_config,
+    qwen2_tokenizer,
+    qwen_text_encoder,
+    t5_encoder,
+)
+from jagg_pipeline.toyworld.codec import PixelShuffleCodec
+from jagg_pipeline.toyworld.data import IMAGE_SIZE
+from jagg_pipeline.toyworld.text import MAX_LENGTH, word_tokenizer
+
+TOY_FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage")
+LATENT_CHANNELS = 12  # 3 colour channels x 2 x 2 pixels
+LATENT_SIZE = IMAGE_SIZE // 2
+TEXT_WIDTH = 64  # every text encoder's width; also the transformers' joint attention width
+HEADS, HEAD_DIM = 2, 32  # transformer width 64, as in DESIGN section 6's prototype
+ROPE_AXES = (8, 12, 12)  # Flux/QwenImage rotary dims per axis, summing to HEAD_DIM
+
+
+def _sd3() -> Any:
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection
+
+    clip, clip_2, t5 = word_tokenizer("clip"), word_tokenizer("clip"), word_tokenizer("t5")
+    # SD3 pads the two CLIP sequences (32 + 32 wide) to the T5 width (64) and concatenates
+    # their pooled outputs (32 + 32) into the pooled projection.
+    return StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["sd3"]),
+        vae=PixelShuffleCodec(),
+        text_encoder=CLIPTextModelWithProjection(clip_text_config(clip, 32, 32)),
+        tokenizer=clip,
+        text_encoder_2=CLIPTextModelWithProjection(clip_text_config(clip_2, 32, 32)),
+        tokenizer_2=clip_2,
+        text_encoder_3=t5_encoder(len(t5), TEXT_WIDTH),
+        tokenizer_3=t5,
+        transformer=SD3Transformer2DModel(
+            sample_size=LATENT_SIZE,
+            patch_size=2,
+            in_channels=LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            num_layers=4,
+            attention_head_dim=HEAD_DIM,
+            num_attention_heads=HEADS,
+            joint_attention_dim=TEXT_WIDTH,
+            caption_projection_dim=HEADS * HEAD_DIM,
+            pooled_projection_dim=64,
+            pos_embed_max_size=LATENT_SIZE,
+        ),
+    )
+
+
+def _flux() -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    clip, t5 = word_tokenizer("clip"), word_tokenizer("t5")
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["flux"]),
+        vae=PixelShuffleCodec(),
+        text_encoder=CLIPTextModel(clip_text_config(clip, 32, 32)),
+        tokenizer=clip,
+        text_encoder_2=t5_encoder(len(t5), TEXT_WIDTH),
+        tokenizer_2=t5,
+        transformer=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * LATENT_CHANNELS,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=HEAD_DIM,
+            num_attention_heads=HEADS,
+            joint_attention_dim=TEXT_WIDTH,
+            pooled_projection_dim=32,
+            guidance_embeds=False,
+            axes_dims_rope=ROPE_AXES,
+        ),
+    )
+
+
+def _qwenimage() -> Any:
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    tokenizer = qwen2_tokenizer()
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULERS["qwenimage"]),
+        vae=PixelShuffleCodec(),
+        text_encoder=qwen_text_encoder(tokenizer, TEXT_WIDTH),
+        tokenizer=tokenizer,
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            num_layers=3,
+            attention_head_dim=HEAD_DIM,
+            num_attention_heads=HEADS,
+            joint_attention_dim=TEXT_WIDTH,
+            axes_dims_rope=ROPE_AXES,
+        ),
+    )
+
+
+_BUILDERS = {"sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage}
+
+
+def build_toy_pipeline(family: str, seed: int = 0) -> Any:
+    """A randomly initialised toy pipeline of ``family``, deterministic from ``seed``."""
+    if family not in _BUILDERS:
+        raise ValueError(f"unknown toy backbone family {family!r}; choose from {TOY_FAMILIES}")
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return _BUILDERS[family]()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def toy_backbone_options(family: str) -> dict[str, Any]:
+    """The ``backbone`` config values that fit a toy checkpoint of ``family``."""
+    return {
+        "family": family,
+        "height": IMAGE_SIZE,
+        "width": IMAGE_SIZE,
+        "dtype": "float32",
+        "training": "full",
+        "max_sequence_length": MAX_LENGTH if family != "qwenimage" else 64,
+    }
