@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) --no-deps hpsv2==1.2.0
 	touch $@
 
-run: $(STAMP)
+TOYWORLD := $(RESULTS)/toyworld
+
+# The toy world is built once; a finished build leaves its manifest (written last).
+$(TOYWORLD)/sd3/manifest.json: | $(STAMP)
+	$(BIN)/python -m jagg_pipeline toyworld build --out $(TOYWORLD) --backbone sd3
+
+run: $(STAMP) $(TOYWORLD)/sd3/manifest.json
 	$(BIN)/python -m jagg_pipeline gradcheck --backbone affine --trajectory chord \
 		--dtype float64 --window 4 --json $(RESULTS)/gradcheck/affine_chord.json --max-rel-err 1e-10
 	$(BIN)/python -m jagg_pipeline gradcheck --backbone mlp-dit --trajectory sde \

@@ -19,16 +19,22 @@ def image_grid(
     captions: Sequence[str] | None = None,
     *,
     columns: int = 4,
-    scale: int = 4,
+    cell: int = 128,
     caption_lines: int = 3,
 ) -> object:
-    """A PIL image: uint8 images [B, 3, H, W] upscaled ``scale`` x, each with its caption below."""
+    """A PIL image: uint8 images [B, 3, H, W] in ``cell``-pixel tiles, each captioned below.
+
+    Small images are enlarged without smoothing (their pixels stay visible), large ones
+    reduced with Lanczos. Captions wrap to the tile width; a newline starts a new line.
+    """
     from PIL import Image, ImageDraw
 
     if images.dtype != torch.uint8 or images.dim() != 4:
         raise ValueError(f"expected uint8 images [B, 3, H, W], got {images.dtype} {images.shape}")
     count, _, height, width = images.shape
-    cell_w, cell_h = width * scale, height * scale
+    scale = cell / max(height, width)
+    cell_w, cell_h = max(1, round(width * scale)), max(1, round(height * scale))
+    resample = Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS
     chars = max(8, cell_w // 6)  # the default bitmap font is about 6 px wide
     text_h = 12 * caption_lines if captions is not None else 0
     rows = -(-count // columns)
@@ -38,10 +44,11 @@ def image_grid(
         x = (i % columns) * (cell_w + 4) + 2
         y = (i // columns) * (cell_h + text_h + 4) + 2
         tile = Image.fromarray(images[i].permute(1, 2, 0).cpu().numpy())
-        grid.paste(tile.resize((cell_w, cell_h), Image.NEAREST), (x, y))
+        grid.paste(tile.resize((cell_w, cell_h), resample), (x, y))
         if captions is not None:
-            lines = textwrap.wrap(captions[i], chars)[:caption_lines]
-            draw.multiline_text((x, y + cell_h + 1), "\n".join(lines), fill="black", spacing=1)
+            lines = [w for part in captions[i].split("\n") for w in textwrap.wrap(part, chars)]
+            text = "\n".join(lines[:caption_lines])
+            draw.multiline_text((x, y + cell_h + 1), text, fill="black", spacing=1)
     return grid
 
 

@@ -7,13 +7,16 @@
 Tabular formats read ``column`` (default ``"prompt"``); DrawBench's CSV calls it ``Prompts``
 and Pick-a-Pic's parquet ``caption``. Errors name the file, and for a missing column, the
 columns that exist.
-:func:`~jagg_pipeline.tables.read_table` reads the tabular formats. The toy world's prompt
-generator lives with the toy world.
+:func:`~jagg_pipeline.tables.read_table` reads the tabular formats. The toy world's captions
+live with the toy world; :func:`resolve_prompts` is the one place where a stage's prompt source
+(a file, or ``toy:train`` / ``toy:heldout``) becomes a list, and :func:`draw_prompts` the one
+place where a round's prompts are drawn from it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ DEFAULT_COLUMN = "prompt"
 PROMPT_SUFFIXES = (".txt", *TABLE_SUFFIXES)
 # Prompt files are tables (or text): their errors are the table reader's.
 PromptFileError = TableError
+# The toy world's caption split (jagg_pipeline.toyworld.data.split): source -> index in it.
+TOY_SOURCES = {"toy:train": 0, "toy:heldout": 1}
 
 
 def column_values(path: str | os.PathLike[str], rows: list[Any], column: str) -> list[Any]:
@@ -72,3 +77,42 @@ def load_prompts(path: str | os.PathLike[str], column: str | None = None) -> lis
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
     return prompts
+
+
+def resolve_prompts(source: str | os.PathLike[str], column: str | None = None) -> list[str]:
+    """The prompt pool of a stage: ``toy:train`` / ``toy:heldout`` or a prompt file.
+
+    The toy sources are the captions of the toy world's fixed train / held-out split, in its
+    order; anything else is read with :func:`load_prompts` (``column`` for tabular files).
+    """
+    text = os.fspath(source)
+    if text.startswith("toy:"):
+        if text not in TOY_SOURCES:
+            raise PromptFileError(
+                f"{text!r}: unknown toy prompt set; use one of {', '.join(TOY_SOURCES)}"
+            )
+        if column is not None:
+            raise PromptFileError(f"{text!r}: the toy prompt sets have no columns ({column!r})")
+        from jagg_pipeline.toyworld.data import split
+
+        return [attributes.caption() for attributes in split()[TOY_SOURCES[text]]]
+    return load_prompts(text, column)
+
+
+def draw_prompts(pool: Sequence[str], count: int, seed: int) -> list[str]:
+    """``count`` prompts drawn from ``pool`` with ``seed``, without replacement.
+
+    A pool smaller than ``count`` is walked through in whole shuffled passes, so every prompt
+    appears before any appears twice. Deterministic for a given pool, count and seed.
+    """
+    import torch
+
+    if not pool:
+        raise ValueError("cannot draw prompts from an empty pool")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    generator = torch.Generator().manual_seed(seed)
+    drawn: list[str] = []
+    while len(drawn) < count:
+        drawn += [pool[i] for i in torch.randperm(len(pool), generator=generator).tolist()]
+    return drawn[:count]

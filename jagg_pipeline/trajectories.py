@@ -2,7 +2,10 @@
 
 One :class:`TrajectoryBatch` per shard (one per rank): tensors in ``shard-<rank>.safetensors``,
 the prompt list in ``shard-<rank>.json``. :func:`load_rollout` concatenates the
-shards of a directory in rank order. Knows nothing of backbones or training: conditioning is a
+shards of a directory in rank order, then puts the samples back in the order of their
+``sample_ids`` when the shards carry them (a rollout stage that deals its work to ranks
+round-robin records each sample's global index there, so any number of ranks loads as one
+rank's rollout). Knows nothing of backbones or training: conditioning is a
 dict of tensors batched along dim 0 (what :meth:`Backbone.encode_prompts` returns), so training
 needs no text encoder.
 """
@@ -33,7 +36,7 @@ class TrajectoryBatch:
     least; 0 on non-SDE steps), ``sigmas`` [T+1], the step masks [T] shared by the batch,
     ``prompt_ids`` [B] (indices into ``prompts``), ``group_ids`` [B] (GRPO groups),
     ``seeds`` [B] (each sample's noise seed), ``cond`` the conditioning, ``images`` uint8
-    [B, 3, H, W] or None.
+    [B, 3, H, W] or None, ``sample_ids`` [B] (each sample's index in the whole rollout) or None.
     """
 
     latents: torch.Tensor
@@ -47,6 +50,7 @@ class TrajectoryBatch:
     prompts: list[str]
     cond: dict[str, torch.Tensor] = field(default_factory=dict)
     images: torch.Tensor | None = None
+    sample_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         batch, steps = self.log_probs.shape
@@ -60,6 +64,8 @@ class TrajectoryBatch:
         }
         if self.images is not None:
             checks["images"] = (self.images.shape[:1], (batch,))
+        if self.sample_ids is not None:
+            checks["sample_ids"] = (tuple(self.sample_ids.shape), (batch,))
         bad = {k: (tuple(got), want) for k, (got, want) in checks.items() if tuple(got) != want}
         if bad:
             raise ValueError(f"inconsistent trajectory batch (got, expected): {bad}")
@@ -90,6 +96,7 @@ class TrajectoryBatch:
             prompts=self.prompts,
             cond={k: v[index] for k, v in self.cond.items()},
             images=None if self.images is None else self.images[index],
+            sample_ids=None if self.sample_ids is None else self.sample_ids[index],
         )
 
     def save(self, directory: str | Path, rank: int = 0) -> Path:
@@ -99,8 +106,9 @@ class TrajectoryBatch:
         directory = Path(directory)
         tensors = {name: getattr(self, name) for name in (*_TENSORS, *_PER_SAMPLE)}
         tensors.update({COND_PREFIX + k: v for k, v in self.cond.items()})
-        if self.images is not None:
-            tensors["images"] = self.images
+        for name in ("images", "sample_ids"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         path = directory / f"shard-{rank}.safetensors"
         with atomic_output(path) as tmp:
@@ -122,6 +130,7 @@ class TrajectoryBatch:
             prompts=meta["prompts"],
             cond=cond,
             images=tensors.get("images"),
+            sample_ids=tensors.get("sample_ids"),
         )
 
 
@@ -144,6 +153,9 @@ def concatenate(batches: list[TrajectoryBatch]) -> TrajectoryBatch:
         return torch.cat([getattr(b, name) for b in batches])
 
     has_images = all(b.images is not None for b in batches)
+    with_ids = [b.sample_ids is not None for b in batches]
+    if any(with_ids) and not all(with_ids):
+        raise ValueError("some shards carry sample_ids and others do not")
     return TrajectoryBatch(
         latents=cat("latents"),
         log_probs=cat("log_probs"),
@@ -156,11 +168,16 @@ def concatenate(batches: list[TrajectoryBatch]) -> TrajectoryBatch:
         prompts=first.prompts,
         cond={k: torch.cat([b.cond[k] for b in batches]) for k in first.cond},
         images=cat("images") if has_images else None,
+        sample_ids=cat("sample_ids") if all(with_ids) else None,
     )
 
 
 def load_rollout(directory: str | Path) -> TrajectoryBatch:
-    """All shards of a rollout directory, concatenated in rank order."""
+    """All shards of a rollout directory, concatenated in rank order, then in sample-id order.
+
+    With ``sample_ids`` the result is sorted by them, and they must be exactly 0..B-1: a
+    missing or duplicated shard is an error rather than a silently different batch.
+    """
     directory = Path(directory)
     shards = sorted(
         (int(m.group(1)), p)
@@ -172,4 +189,13 @@ def load_rollout(directory: str | Path) -> TrajectoryBatch:
     ranks = [rank for rank, _ in shards]
     if ranks != list(range(len(ranks))):
         raise FileNotFoundError(f"{directory}: shards {ranks} are not 0..{len(ranks) - 1}")
-    return concatenate([TrajectoryBatch.load_shard(path) for _, path in shards])
+    batch = concatenate([TrajectoryBatch.load_shard(path) for _, path in shards])
+    if batch.sample_ids is None:
+        return batch
+    order = torch.argsort(batch.sample_ids)
+    if not torch.equal(batch.sample_ids[order], torch.arange(len(batch))):
+        raise ValueError(
+            f"{directory}: the shards' sample_ids are not 0..{len(batch) - 1} "
+            "(a shard is missing, stale or duplicated; rerun the rollout)"
+        )
+    return batch.select(order)

@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Sequence
 
 from jagg_pipeline import __version__
-from jagg_pipeline.cli import config, gradcheck, score, toyworld
+from jagg_pipeline.cli import config, evaluate, gradcheck, rollout, score, toyworld
 
-COMMANDS = (config, gradcheck, score, toyworld)
+COMMANDS = (config, gradcheck, score, toyworld, rollout, evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:

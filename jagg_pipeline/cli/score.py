@@ -1,8 +1,9 @@
-"""``score``: score a folder of images against their prompts with one or more rewards.
+"""``score``: score a folder of images, or a rollout, against their prompts with rewards.
 
-Inputs are resolved to (image file, prompt) pairs, the images are scored in batches of equal
-size, and one table row per image is written atomically (csv, jsonl or parquet) with a JSON
-manifest beside it. A ``--rollouts DIR`` input mode joins the input group later.
+Folder mode: inputs are resolved to (image file, prompt) pairs, the images are scored in
+batches of equal size, and one table row per image is written atomically (csv, jsonl or
+parquet) with a JSON manifest beside it. Rollout mode (``--rollouts DIR --config FILE``): the
+pipeline's score stage, :func:`jagg_pipeline.scoring.run_score`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ def _epilog() -> str:
         "Format from the --out suffix: .csv, .jsonl or .parquet (needs pyarrow). Beside it,",
         "OUT.manifest.json records the package version, the resolved reward settings and",
         "digests of the inputs.",
+        "",
+        "rollout mode (the pipeline's score stage): --rollouts DIR --config FILE --out TABLE",
+        "scores a rollout directory's images with the config's rewards (--set still sets a",
+        "reward setting) and writes one row per sample in rollout order with columns",
+        "  sample, prompt_id, group, <reward>..., total, advantage, group_mean, group_std",
+        "(advantage per the grpo section: std_mode, eps, adv_clip), plus OUT.summary.json",
+        "(reward means, zero-std groups), OUT.config.yaml (resolved config) and",
+        "OUT.manifest.json (stage score, input rollouts). Rollouts sampled under another",
+        "backbone or sampler section are refused, naming the file.",
     ]
     return "\n".join(lines)
 
@@ -90,20 +100,20 @@ def register(sub: argparse._SubParsersAction) -> None:
             one row per image. Images and prompts are paired either by a prompt file (images
             sorted by file name; image i gets prompt i // --images-per-prompt) or by a
             manifest table with an image and a prompt column. Images of different sizes are
-            fine (they are batched by size)."""
+            fine (they are batched by size). Or score a rollout directory with the rewards of
+            an experiment config (--rollouts, --config): see the end of this help."""
         ),
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inputs = p.add_argument_group("inputs")
+    inputs = p.add_argument_group("inputs (folder mode)")
     inputs.add_argument(
         "--images",
         type=Path,
-        required=True,
         metavar="DIR",
         help="folder of images (png, jpg, jpeg, webp, bmp); manifest paths are relative to it",
     )
-    source = inputs.add_mutually_exclusive_group(required=True)
+    source = inputs.add_mutually_exclusive_group()
     source.add_argument(
         "--prompts",
         type=Path,
@@ -134,7 +144,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="with --prompts: K consecutive images per prompt (default: 1)",
     )
-    rewards = p.add_argument_group("rewards")
+    stage = p.add_argument_group("inputs (rollout mode)")
+    stage.add_argument(
+        "--rollouts", type=Path, metavar="DIR", help="a rollout directory (from `rollout`)"
+    )
+    stage.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="experiment config (YAML) whose rewards and grpo sections score the rollout",
+    )
+    rewards = p.add_argument_group("rewards (folder mode; --set in both)")
     rewards.add_argument(
         "--rewards",
         type=Path,
@@ -178,7 +198,70 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="TABLE",
         help="output table: .csv, .jsonl or .parquet",
     )
-    p.set_defaults(handler=_run_score)
+    p.set_defaults(handler=_run)
+
+
+# Folder-mode options and their defaults: rollout mode takes rewards from the config instead.
+_FOLDER_ONLY = {
+    "images": None,
+    "prompts": None,
+    "manifest": None,
+    "column": None,
+    "image_column": "image",
+    "images_per_prompt": 1,
+    "rewards": None,
+    "reward": None,
+    "normalize_separately": None,
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.rollouts is None and args.config is None:
+        if args.images is None or (args.prompts is None and args.manifest is None):
+            raise SystemExit(
+                "error: give --images DIR with --prompts FILE or --manifest FILE, or "
+                "--rollouts DIR with --config FILE"
+            )
+        return _run_score(args)
+    if args.rollouts is None or args.config is None:
+        raise SystemExit("error: rollout mode needs both --rollouts DIR and --config FILE")
+    misplaced = [
+        "--" + name.replace("_", "-")
+        for name, default in _FOLDER_ONLY.items()
+        if getattr(args, name) != default
+    ]
+    if misplaced:
+        raise SystemExit(
+            f"error: {', '.join(misplaced)} belong to folder mode; with --rollouts the rewards "
+            "come from --config"
+        )
+    return _run_rollout_score(args)
+
+
+def _run_rollout_score(args: argparse.Namespace) -> int:
+    from jagg_pipeline.cli.rollout import load_stage_config, stage_errors
+    from jagg_pipeline.config import ExperimentConfig
+    from jagg_pipeline.configtools import from_dict
+    from jagg_pipeline.scoring import run_score
+
+    if args.batch_size < 1:
+        raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")
+    config = load_stage_config(args.config, [])
+    with stage_errors():
+        if args.set:
+            settings: dict[str, dict[str, Any]] = {}
+            for name, field, value in args.set:
+                settings.setdefault(name, {})[field] = value
+            config = from_dict(ExperimentConfig, {"rewards": settings}, base=config)
+        scores = run_score(
+            config, args.rollouts, args.out, device=args.device, chunk=args.batch_size
+        )
+    summary = scores.summary
+    print(
+        f"scored {summary['samples']} samples ({summary['groups']} groups, "
+        f"{summary['zero_std_groups']} with zero std); table written to {args.out}"
+    )
+    return 0
 
 
 def _rewards_section(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,8 @@ version was gamed by big filled blocks, DESIGN section 6):
 - background: soft colour match of the pixels away from the object with the background colour;
 - overlap: soft IoU of the object-colour map with the true shape mask at the true position;
 - shape: how much better the true shape's mask explains the object-colour map than the best
-  other shape at that position, relative to what a perfect drawing achieves.
+  other shape at that position, relative to what a perfect drawing achieves (1 perfect, 1/2
+  a shapeless blob, 0 a clearly wrong shape).
 
 A pure function of uint8 images and captions; the data's own images score 1.
 """
@@ -80,7 +81,10 @@ def _shape_term(match: torch.Tensor, shape: str, position: str, size: int) -> to
     perfect = 1.0 - max(
         float(soft_iou(true_mask[None].float(), _mask(s, position, size))) for s in others
     )
-    return (margin / perfect).clamp(0.0, 1.0)
+    # 1 for the perfect drawing, 0 for a clearly wrong shape, 1/2 for a shapeless blob that
+    # fits every shape equally: partial credit keeps the reward informative for blurry
+    # policies (a pretrained toy DiT draws blobs before it draws shapes).
+    return (0.5 + 0.5 * margin / perfect).clamp(0.0, 1.0)
 
 
 def score_attributes(images: torch.Tensor, captions: Sequence[str]) -> AttributeScores:

@@ -1,0 +1,56 @@
+"""``evaluate``: fixed prompts and seeds, ODE sampling, every configured metric, an image grid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from pathlib import Path
+
+from jagg_pipeline.cli.rollout import add_config_arguments, load_stage_config, stage_errors
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``evaluate`` subcommand."""
+    p = sub.add_parser(
+        "evaluate",
+        help="evaluate a policy: fixed seeds, ODE sampling, metrics.json and an image grid",
+        description=textwrap.dedent(
+            """\
+            Sample eval.samples_per_prompt images for each of the first eval.max_prompts
+            prompts of eval.prompts with fixed seeds (from eval.seed) and eval.num_steps ODE
+            steps, and score them with every reward named in eval.metrics (settings from the
+            rewards section). The same checkpoint and config give the same metrics."""
+        ),
+        epilog=textwrap.dedent(
+            """\
+            output directory:
+              metrics.json    per metric {mean, std}; per_prompt means; what was evaluated
+              samples.jsonl   one row per image: image, prompt_id, prompt, sample, seed, scores
+              images/         PPPP_SS.png (prompt, sample)
+              grid.png        one row per prompt, its text and mean scores beside it
+              config.yaml     the resolved config
+              manifest.json   stage, version, config digests, seeds, input digests"""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.add_argument(
+        "--policy",
+        required=True,
+        metavar="base|CKPT",
+        help="'base' (the checkpoint at backbone.path) or a training checkpoint directory",
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.evaluate import run_evaluate
+
+    config = load_stage_config(args.config, args.overrides)
+    with stage_errors():
+        report = run_evaluate(config, args.policy, args.out)
+    print(json.dumps(report["metrics"]))
+    print(f"evaluation written to {args.out}")
+    return 0

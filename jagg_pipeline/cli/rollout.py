@@ -1,0 +1,131 @@
+"""``rollout``: sample G images per prompt with the configured SDE into a rollout directory.
+
+Also holds what the stage commands (rollout, score --rollouts, evaluate) share on the command
+line: ``--config`` / ``--set`` and turning the stages' expected errors into one-line messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--config FILE`` and repeatable ``--set KEY.PATH=VALUE`` overrides."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=required,
+        metavar="FILE",
+        help="experiment config (YAML); unknown keys are errors; the resolved config is "
+        "written next to the outputs",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one config key (value parsed as YAML), e.g. sampler.group_size=4; "
+        "repeatable",
+    )
+
+
+def load_stage_config(path: Path, overrides: list[str]) -> Any:
+    """The experiment config of a stage command (errors become ``error:`` exits)."""
+    from jagg_pipeline.config import load_config
+
+    with stage_errors():
+        return load_config(path, overrides)
+
+
+@contextmanager
+def stage_errors() -> Iterator[None]:
+    """Exit with ``error: <message>`` on the errors a stage raises for bad inputs.
+
+    Config, manifest, prompt-file and policy errors are ValueErrors that name the key or file;
+    a missing checkpoint is a BackboneLoadError.
+    """
+    from jagg_pipeline.backbones import BackboneLoadError
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError, BackboneLoadError) as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``rollout`` subcommand."""
+    p = sub.add_parser(
+        "rollout",
+        help="sample G images per prompt with the configured SDE into a rollout directory",
+        description=textwrap.dedent(
+            """\
+            Sample sampler.group_size images for each of sampler.prompts_per_round prompts
+            drawn from --prompts with the round's seed, with the configured SDE (a window of
+            noisy steps, or the full trajectory with its trained-step selection). Each sample
+            has its own seed, derived from (train.seed, --round, sample index). Work is split
+            into micro-batches of whole prompt groups (sampler.batch_size samples); under
+            `torchrun --nproc_per_node N` micro-batches are dealt to ranks round-robin and
+            each rank writes its shard, and the shards load back as the one-process rollout."""
+        ),
+        epilog=textwrap.dedent(
+            """\
+            output directory:
+              shard-<rank>.safetensors  latents [B, T+1, ...], log_probs [B, T], sigmas [T+1],
+                                        sde_mask / train_mask [T], prompt_ids, group_ids,
+                                        seeds, sample_ids [B], cond.* (prompt conditioning),
+                                        images uint8 [B, 3, H, W]
+              shard-<rank>.json         the round's prompts
+              config.yaml               the resolved config
+              manifest.json             stage, version, config digests, seeds, input digests,
+                                        micro-batches, trained steps (written last)"""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.add_argument(
+        "--policy",
+        required=True,
+        metavar="base|CKPT",
+        help="'base' (the checkpoint at backbone.path) or a training checkpoint directory",
+    )
+    p.add_argument(
+        "--prompts",
+        required=True,
+        metavar="FILE|toy:train|toy:heldout",
+        help="prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or a toy split",
+    )
+    p.add_argument("--column", metavar="NAME", help="prompt column of a tabular prompt file")
+    p.add_argument(
+        "--round",
+        type=int,
+        default=0,
+        metavar="R",
+        help="training round: selects the prompts, seeds and window (default: 0)",
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.rollout import run_rollout
+
+    config = load_stage_config(args.config, args.overrides)
+    with stage_errors():
+        run_rollout(
+            config,
+            args.policy,
+            args.prompts,
+            args.out,
+            round_index=args.round,
+            column=args.column,
+        )
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
+        print(f"rollout written to {args.out}")
+    return 0

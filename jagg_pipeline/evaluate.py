@@ -1,0 +1,190 @@
+"""The evaluate stage: a policy's images for fixed prompts and seeds, scored by every metric.
+
+Owns the evaluation protocol and its output directory. Protocol: the first
+``eval.max_prompts`` prompts of ``eval.prompts`` (a file or a toy split, in order),
+``eval.samples_per_prompt`` images each, sample ``i`` seeded from ``(eval.seed, i)`` only (the
+same noise for every checkpoint), ODE sampling with ``eval.num_steps`` steps, in the rollout's
+micro-batches (``sampler.batch_size``); metrics are the reward names ``eval.metrics`` with their
+``rewards`` settings, scored on the uint8 images that are saved (so a ``score`` of the saved
+PNGs reproduces them). The same checkpoint and config give the same metrics, bit for bit.
+
+Output directory: ``metrics.json`` (mean and std per metric, per-prompt means),
+``samples.jsonl`` (one row per image: file, prompt, seed, scores), ``images/PPPP_SS.png``,
+``grid.png`` (one row per prompt, its text and scores beside it), ``config.yaml``,
+``manifest.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jagg_pipeline import sde
+from jagg_pipeline.artifacts import atomic_output, atomic_write_json
+from jagg_pipeline.backbones import Backbone
+from jagg_pipeline.plots import save_image_grid
+from jagg_pipeline.prompts import resolve_prompts
+from jagg_pipeline.rewards import load_reward
+from jagg_pipeline.rollout import (
+    RolloutPlan,
+    begin_output,
+    derive_seed,
+    finish_output,
+    micro_batches,
+    prompt_inputs,
+    rank_device,
+    sample_batches,
+)
+from jagg_pipeline.scoring import reward_columns
+from jagg_pipeline.tables import write_table
+
+STAGE = "evaluate"
+IMAGES_DIR = "images"
+
+
+@dataclass
+class Evaluation:
+    """Images [N, 3, H, W] uint8 of ``prompts`` (``samples_per_prompt`` each, prompt-major)."""
+
+    prompts: list[str]
+    samples_per_prompt: int
+    seeds: torch.Tensor
+    images: torch.Tensor
+    scores: dict[str, torch.Tensor]
+
+    def metrics(self) -> dict[str, Any]:
+        """Mean and (population) std per metric, and each prompt's mean per metric."""
+        per_prompt = {
+            name: values.view(len(self.prompts), self.samples_per_prompt).mean(dim=1)
+            for name, values in self.scores.items()
+        }
+        return {
+            "metrics": {
+                name: {"mean": float(v.mean()), "std": float(v.std(unbiased=False))}
+                for name, v in self.scores.items()
+            },
+            "per_prompt": [
+                {
+                    "prompt_id": j,
+                    "prompt": prompt,
+                    **{name: float(v[j]) for name, v in per_prompt.items()},
+                }
+                for j, prompt in enumerate(self.prompts)
+            ],
+        }
+
+
+def plan_evaluation(config: Any) -> RolloutPlan:
+    """The fixed prompts, seeds, ODE masks and micro-batches of ``config.eval``."""
+    ev = config.eval
+    if ev.max_prompts < 1 or ev.samples_per_prompt < 1 or ev.num_steps < 1:
+        raise ValueError(
+            "eval.max_prompts, eval.samples_per_prompt and eval.num_steps must be >= 1"
+        )
+    prompts = resolve_prompts(ev.prompts, ev.column)[: ev.max_prompts]
+    count = len(prompts) * ev.samples_per_prompt
+    ode = torch.zeros(ev.num_steps, dtype=torch.bool)
+    return RolloutPlan(
+        prompts=prompts,
+        group_size=ev.samples_per_prompt,
+        seeds=torch.tensor([derive_seed(ev.seed, "eval", i) for i in range(count)]),
+        masks=sde.StepMasks(sde=ode, train=ode.clone()),
+        coeffs=sde.StepCoefficients("ode", 0.0),
+        micro_batches=micro_batches(len(prompts), ev.samples_per_prompt, config.sampler.batch_size),
+    )
+
+
+def evaluate(config: Any, backbone: Backbone, progress: bool = True) -> Evaluation:
+    """Sample the evaluation images with ``backbone`` and score them with every metric."""
+    plan = plan_evaluation(config)
+    batch = sample_batches(backbone, plan, plan.micro_batches, desc="evaluate", progress=progress)
+    metrics = {
+        name: load_reward(name, config.rewards.spec(name), backbone.device)
+        for name in config.eval.metrics
+    }
+    prompts = [plan.prompts[i] for i in batch.prompt_ids.tolist()]
+    scores = reward_columns(metrics, batch.images, prompts, config.sampler.batch_size)
+    return Evaluation(plan.prompts, plan.group_size, batch.seeds, batch.images, scores)
+
+
+def _save_png(image: Any, path: Path) -> None:
+    with atomic_output(path) as tmp:
+        image.save(tmp, format="PNG")
+
+
+def write_evaluation(
+    evaluation: Evaluation, out: Path, info: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write images, ``samples.jsonl``, ``grid.png`` and ``metrics.json`` into ``out``.
+
+    ``info`` (what was evaluated, how) heads ``metrics.json``; the report is returned.
+    """
+    from PIL import Image
+
+    report = {**dict(info or {}), **evaluation.metrics()}
+    per_sample = evaluation.samples_per_prompt
+    rows = []
+    for i, image in enumerate(evaluation.images):
+        prompt_id, sample = divmod(i, per_sample)
+        name = f"{IMAGES_DIR}/{prompt_id:04d}_{sample:02d}.png"
+        _save_png(Image.fromarray(image.permute(1, 2, 0).numpy()), out / name)
+        rows.append(
+            {
+                "image": name,
+                "prompt_id": prompt_id,
+                "prompt": evaluation.prompts[prompt_id],
+                "sample": sample,
+                "seed": int(evaluation.seeds[i]),
+                **{metric: float(v[i]) for metric, v in evaluation.scores.items()},
+            }
+        )
+    write_table(out / "samples.jsonl", rows)
+    captions = [
+        f"{row['prompt_id']}: {row['prompt']}\n"
+        + "  ".join(f"{m}={row[m]:.4g}" for m in evaluation.scores)
+        for row in rows
+    ]
+    save_image_grid(
+        out / "grid.png", evaluation.images, captions, columns=per_sample, caption_lines=4
+    )
+    atomic_write_json(out / "metrics.json", report)
+    return report
+
+
+def run_evaluate(
+    config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
+) -> dict[str, Any]:
+    """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics."""
+    from jagg_pipeline.policy import BASE, load_policy, policy_weights_dir
+
+    out = Path(out)
+    backbone = load_policy(config, policy, rank_device(config))
+    evaluation = evaluate(config, backbone, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    begin_output(out, (f"{IMAGES_DIR}/*.png",))
+    ev = config.eval
+    info = {
+        "policy": str(policy),
+        "prompts": ev.prompts,
+        "num_prompts": len(evaluation.prompts),
+        "samples_per_prompt": ev.samples_per_prompt,
+        "num_steps": ev.num_steps,
+        "seed": ev.seed,
+    }
+    report = write_evaluation(evaluation, out, info)
+    inputs = prompt_inputs(ev.prompts)
+    if str(policy) != BASE:
+        inputs["policy"] = policy_weights_dir(policy)
+    finish_output(
+        out,
+        config,
+        stage=STAGE,
+        seeds={"eval": ev.seed},
+        inputs=inputs,
+        extra={"policy": str(policy), "prompts": ev.prompts},
+    )
+    return report

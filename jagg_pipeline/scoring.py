@@ -1,0 +1,138 @@
+"""The score stage on a rollout: every configured reward on its images, totals and advantages.
+
+Owns the per-sample score table that the training stage reads: one row per sample in
+:func:`~jagg_pipeline.trajectories.load_rollout` order with the columns ``sample`` (0..B-1),
+``prompt_id``, ``group``, one per weighted reward, ``total`` (weighted sum), ``advantage``,
+``group_mean`` and ``group_std`` (of the total in the sample's group); written with
+:func:`~jagg_pipeline.tables.write_table` (parquet by default), with ``FILE.summary.json``
+(reward means, zero-std groups), ``FILE.config.yaml`` and ``FILE.manifest.json`` (stage
+``score``, input ``rollouts``) beside it. Rewards score the rollout's stored uint8 images;
+the advantage follows ``grpo`` (std mode, eps, clip) and ``rewards.normalize_separately``.
+The folder-of-images mode of the ``score`` command lives in :mod:`jagg_pipeline.cli.score`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jagg_pipeline.artifacts import atomic_write_json
+from jagg_pipeline.grpo import group_advantages
+from jagg_pipeline.manifest import check_input
+from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
+from jagg_pipeline.rollout import begin_output, finish_output
+from jagg_pipeline.tables import write_table
+from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
+
+STAGE = "score"
+
+
+@dataclass
+class Scores:
+    """The table rows and the summary of one scored rollout."""
+
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+
+def summary_path(table: str | Path) -> Path:
+    """``FILE.summary.json`` beside a score table."""
+    table = Path(table)
+    return table.with_name(table.name + ".summary.json")
+
+
+def reward_columns(
+    rewards: Mapping[str, RewardFn], images: torch.Tensor, prompts: Sequence[str], chunk: int
+) -> dict[str, torch.Tensor]:
+    """Each reward's scores of uint8 ``images`` [B, 3, H, W], converted ``chunk`` at a time.
+
+    Only a chunk is held as float at once (real images are large); scores come back on the CPU.
+    """
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in rewards}
+    for start in range(0, images.shape[0], chunk):
+        floats = to_unit_float(images[start : start + chunk])
+        for name, reward in rewards.items():
+            parts[name].append(reward(floats, prompts[start : start + chunk]).cpu())
+    return {name: torch.cat(values) for name, values in parts.items()}
+
+
+def score_rollout(
+    batch: TrajectoryBatch, reward: MultiReward, grpo: Any, chunk: int = 32
+) -> Scores:
+    """Score ``batch.images`` against their prompts, ``chunk`` images at a time.
+
+    ``grpo`` is the config section whose std mode, eps and clip give the group statistics.
+    """
+    if batch.images is None:
+        raise ValueError("the rollout holds no images to score")
+    prompts = [batch.prompts[i] for i in batch.prompt_ids.tolist()]
+    columns = reward_columns(reward.rewards, batch.images, prompts, chunk)
+    result = reward.combine(columns, batch.group_ids)
+    stats = group_advantages(
+        result.total, batch.group_ids, std_mode=grpo.std_mode, eps=grpo.eps, clip=grpo.adv_clip
+    )
+    rows = [
+        {
+            "sample": i,
+            "prompt_id": int(batch.prompt_ids[i]),
+            "group": int(batch.group_ids[i]),
+            **{name: float(values[i]) for name, values in result.columns.items()},
+            "total": float(result.total[i]),
+            "advantage": float(result.advantages[i]),
+            "group_mean": float(stats.group_mean[i]),
+            "group_std": float(stats.group_std[i]),
+        }
+        for i in range(len(batch))
+    ]
+    summary = {
+        "samples": len(batch),
+        "groups": len(torch.unique(batch.group_ids)),
+        "zero_std_groups": stats.zero_std_groups,
+        "weights": dict(reward.weights),
+        "reward_means": {name: float(v.mean()) for name, v in result.columns.items()},
+        "total_mean": float(result.total.mean()),
+        "total_std": float(result.total.std(unbiased=False)),
+    }
+    return Scores(rows, summary)
+
+
+def run_score(
+    config: Any,
+    rollouts: str | Path,
+    out: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    chunk: int = 32,
+) -> Scores:
+    """The score stage: refuse rollouts of another backbone/sampler section, score, write.
+
+    Writes ``out`` (its suffix picks parquet, csv or jsonl), its summary, resolved config and
+    manifest; returns what it wrote.
+    """
+    rollouts, out = Path(rollouts), Path(out)
+    made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
+    batch = load_rollout(rollouts)
+    reward = MultiReward.from_spec(
+        config.rewards,
+        device,
+        std_mode=config.grpo.std_mode,
+        eps=config.grpo.eps,
+        clip=config.grpo.adv_clip,
+    )
+    scores = score_rollout(batch, reward, config.grpo, chunk)
+    begin_output(out)
+    write_table(out, scores.rows)
+    atomic_write_json(summary_path(out), scores.summary)
+    finish_output(
+        out,
+        config,
+        stage=STAGE,
+        seeds=made.get("seeds", {}),
+        inputs={"rollouts": rollouts},
+        extra={"rows": len(scores.rows), "summary": summary_path(out).name},
+    )
+    return scores
