@@ -146,7 +146,7 @@ class EvalConfig:
     samples_per_prompt: int = field(2, help="images per prompt")
     seed: int = field(1234, help="seed of the evaluation noise (fixed across checkpoints)")
     metrics: list[str] = field(
-        default_factory=lambda: ["jpeg_compressibility"],
+        default_factory=lambda: ["toy_attributes", "toy_clipscore"],
         help="reward names reported as metrics (their settings come from the rewards section)",
     )
     every: int = field(25, help="evaluate every K rounds (and the last)")
@@ -181,7 +181,7 @@ class ExperimentConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig, help="advantages and loss")
     jagg: JaggConfig = field(default_factory=JaggConfig, help="gradient engine and routing")
     rewards: RewardsSpec = field(
-        default_factory=lambda: RewardsSpec(weights={"jpeg_compressibility": 1.0}),
+        default_factory=lambda: RewardsSpec(weights={"toy_attributes": 1.0}),
         help="training rewards and every reward model's settings",
     )
     train: TrainConfig = field(default_factory=TrainConfig, help="optimiser and rounds")

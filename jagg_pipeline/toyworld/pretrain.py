@@ -26,8 +26,8 @@ from jagg_pipeline.toyworld.codec import to_unit_range
 class PretrainSettings:
     """Budget and optimiser of one backbone's pretraining (DESIGN section 6 calibration)."""
 
-    steps: int = 1500
-    batch: int = 48
+    steps: int = 1200
+    batch: int = 40
     lr: float = 2e-3
     warmup: int = 100
     ema_decay: float = 0.995
