@@ -30,7 +30,10 @@ run: $(STAMP) $(TOYWORLD)/sd3/manifest.json
 		--dtype float64 --window 4 --json $(RESULTS)/gradcheck/affine_chord.json --max-rel-err 1e-10
 	$(BIN)/python -m jagg_pipeline gradcheck --backbone mlp-dit --trajectory sde \
 		--dtype float32 --window 4 --jagg-frac 0.6 --json $(RESULTS)/gradcheck/mlp-dit_sde.json
-	@echo "results: $(RESULTS)/gradcheck/"
+	$(BIN)/python -m jagg_pipeline experiment --out $(RESULTS)/experiment --rounds 3 \
+		--modes exact jagg
+	@echo "results: $(TOYWORLD) (toy world report, samples), $(RESULTS)/gradcheck,"
+	@echo "         $(RESULTS)/experiment (rounds per mode, eval/ metrics and grids)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check jagg_pipeline tests

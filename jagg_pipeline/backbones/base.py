@@ -20,6 +20,7 @@ elementwise, so the layout is invisible to the core; ``decode`` unpacks.
 
 from __future__ import annotations
 
+import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -285,7 +286,12 @@ class Backbone(ABC):
         if spec.family != cls.family:
             raise ValueError(f"{cls.__name__} loads family {cls.family!r}, got {spec.family!r}")
         path = resolve_checkpoint(spec)
-        read_model_index(path, spec, cls.pipeline_class)
+        index = read_model_index(path, spec, cls.pipeline_class)
+        # diffusers only loads components from libraries already imported; components of our
+        # own package (the toy world's codec) are code we ship, so import them first.
+        for entry in index.values():
+            if isinstance(entry, list) and str(entry[0]).startswith("jagg_pipeline."):
+                importlib.import_module(entry[0])
         skipped = {} if spec.load_text_encoders else dict.fromkeys(cls.text_components)
         pipeline = getattr(diffusers, cls.pipeline_class).from_pretrained(
             path, dtype=DTYPES[spec.dtype], **skipped

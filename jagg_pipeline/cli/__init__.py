@@ -9,9 +9,18 @@ import argparse
 from collections.abc import Sequence
 
 from jagg_pipeline import __version__
-from jagg_pipeline.cli import config, evaluate, gradcheck, rollout, score, toyworld
+from jagg_pipeline.cli import (
+    config,
+    evaluate,
+    experiment,
+    gradcheck,
+    rollout,
+    score,
+    toyworld,
+    train,
+)
 
-COMMANDS = (config, gradcheck, score, toyworld, rollout, evaluate)
+COMMANDS = (config, gradcheck, toyworld, rollout, score, train, evaluate, experiment)
 
 
 def build_parser() -> argparse.ArgumentParser:

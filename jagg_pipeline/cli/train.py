@@ -1,0 +1,86 @@
+"""``train``: one JAGG-accelerated GRPO round on a scored rollout, under FSDP2."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+from jagg_pipeline.cli.rollout import add_config_arguments, load_stage_config, stage_errors
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` subcommand."""
+    p = sub.add_parser(
+        "train",
+        help="train one GRPO round (exact / jagg / no_interp gradients) into a checkpoint",
+        description=textwrap.dedent(
+            """\
+            Train one round on a scored rollout: the rollout's micro-batches are shuffled and
+            dealt into train.minibatches optimizer steps; each step's trained denoising steps
+            are split into windows of jagg.window steps whose gradients come from jagg.mode
+            (exact, jagg or no_interp), routed by jagg.jagg_frac (a fraction of the windows
+            from high noise, or 'auto': windows whose probed cos-sim with the exact gradient
+            reaches jagg.auto_threshold). AdamW with train.lr, train.lr_schedule and
+            train.grad_clip; grpo.kl_beta > 0 adds the KL to the base policy. A step with a
+            non-finite loss or gradient is skipped and counted.
+
+            Run it as one process, or under `torchrun --nproc_per_node N` (FSDP2: gloo on
+            CPU, NCCL on GPU); the update does not depend on N. The checkpoint is written
+            atomically: a killed run leaves nothing under --out, and rerunning the command
+            recomputes the round."""
+        ),
+        epilog=textwrap.dedent(
+            """\
+            output directory (the next round's --policy):
+              policy/                       LoRA adapters or transformer.safetensors
+              trainer/state.json            round, optimizer steps, skipped steps, scheduler,
+                                            routing and probed per-window cos-sims
+              trainer/optimizer.safetensors AdamW state (parameter names as keys)
+              trainer/rng.safetensors       the trainer's generator (minibatch shuffles)
+              trainer/ema.safetensors       EMA weights (train.ema_decay set)
+              metrics.jsonl                 one line per optimizer step: loss, clipfrac,
+                                            approx_kl, grad_norm, lr, reward stats, backward
+                                            calls, windows, time (forward, backward,
+                                            optimizer), probe (when probed)
+              config.yaml, manifest.json    resolved config; manifest written last"""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.add_argument(
+        "--policy",
+        required=True,
+        metavar="base|CKPT",
+        help="'base' (round 0) or the previous round's checkpoint directory",
+    )
+    p.add_argument(
+        "--rollouts",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="rollout directory sampled from --policy for this round (from `rollout`)",
+    )
+    p.add_argument(
+        "--rewards",
+        type=Path,
+        required=True,
+        metavar="TABLE",
+        help="score table of --rollouts (from `score --rollouts`)",
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="checkpoint directory")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.checkpoint import NonFiniteError
+    from jagg_pipeline.train import train_round
+
+    config = load_stage_config(args.config, args.overrides)
+    with stage_errors():
+        try:
+            result = train_round(config, args.policy, args.rollouts, args.rewards, args.out)
+        except NonFiniteError as err:
+            raise SystemExit(f"error: {err}") from None
+    print(f"round {result.round} checkpoint written to {args.out}")
+    return 0

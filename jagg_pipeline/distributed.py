@@ -1,0 +1,194 @@
+"""Parallelism in one place: the process group, the device mesh, FSDP2 sharding, state dicts.
+
+The only module that imports ``torch.distributed.fsdp`` or the device mesh (DESIGN section 2).
+Training always runs under FSDP2 (``fully_shard``), with one code path for every world size:
+
+- under ``torchrun`` the process group is initialised from its environment (gloo on CPU, NCCL
+  on CUDA, one device per local rank);
+- a plain single process (no ``torchrun``) gets a world of one over an in-memory store, so
+  the same sharded code, collectives and state-dict helpers run unchanged.
+
+Gradients are SUMMED across ranks (FSDP2 averages by default): the training objective is
+normalised by the global sample count, so the sum of the ranks' gradients is the
+single-process gradient (:func:`shard_backbone`). State dicts are gathered in full to rank 0
+on the CPU for writing, and optimizer state is broadcast from rank 0 when read back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from jagg_pipeline.backbones.base import Backbone
+
+_FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Frozen parameters (a LoRA base model, dead modules) never change: no need to gather them.
+_TRAINABLE_TO_RANK0 = StateDictOptions(
+    full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+)
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is: rank, world size, its device and the 1-D data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes files and prints progress."""
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """Whether the environment of a ``torchrun`` worker is present."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+@contextmanager
+def distributed(device: str = "cpu") -> Iterator[DistContext]:
+    """Join (or create) the process group for ``device``'s type; tear down what was created.
+
+    ``device`` is the backbone's device setting (``cpu``, ``cuda``, ``cuda:N``); under
+    ``torchrun`` an index-less ``cuda`` becomes ``cuda:LOCAL_RANK`` (as the rollout stage
+    does). If a process group already exists (e.g. a caller runs several rounds in one
+    process), it is used and left alone.
+    """
+    torch_device = torch.device(device)
+    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    created = not dist.is_initialized()
+    torchrun = launched_by_torchrun()
+    local_rank = int(os.environ["LOCAL_RANK"]) if torchrun else 0
+    if created and torchrun:
+        dist.init_process_group(backend)
+    elif created:
+        # A world of one: the same FSDP2 code path as under torchrun, no rendezvous.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if torch_device.type == "cuda":
+        if torch_device.index is None:
+            torch_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+    try:
+        mesh = init_device_mesh(torch_device.type, (dist.get_world_size(),))
+        yield DistContext(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            device=torch_device,
+            mesh=mesh,
+        )
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def all_reduce_sum(values: Sequence[float]) -> list[float]:
+    """Element-wise sum of a list of floats over all ranks (in float64)."""
+    tensor = torch.tensor(list(values), dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding
+# --------------------------------------------------------------------------------------------
+
+
+def shard_backbone(backbone: Backbone, ctx: DistContext, *, mixed_precision: bool = False) -> None:
+    """``fully_shard`` every FSDP unit of the backbone, then its transformer as the root.
+
+    Each unit is one parameter group (one all-gather in forward, one reduce-scatter per
+    backward call that syncs). ``mixed_precision``: bf16 parameters in compute, fp32
+    gradient reduction. Reductions are plain sums (divide factor 1, SUM ops only): the loss
+    is already normalised by the global sample count, so summing the ranks' gradients gives
+    the single-process gradient, where FSDP2's default average would divide it by the world
+    size. ``backbone.transformer`` becomes the root :class:`FSDPModule`.
+    """
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for unit in [*backbone.fsdp_units(), backbone.transformer]:
+        fully_shard(unit, mesh=ctx.mesh, mp_policy=policy)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def set_gradient_sync(root: nn.Module, enabled: bool) -> None:
+    """Turn the reduce-scatter after each backward call on or off, for every group of ``root``.
+
+    Off: FSDP2 accumulates unsharded gradients locally; the next backward call with sync on
+    reduces the accumulated sum once.
+    """
+    if not isinstance(root, FSDPModule):
+        raise TypeError(f"{type(root).__name__} is not sharded; call shard_backbone first")
+    root.set_requires_gradient_sync(enabled)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors and state dicts
+# --------------------------------------------------------------------------------------------
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a sharded tensor (a collective: every rank must call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` placed and sharded as ``like`` (a parameter, possibly a DTensor)."""
+    full = full.to(device=like.device, dtype=like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements)
+    return full
+
+
+def full_model_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable part of the module's state dict, in full on rank 0's CPU; collective.
+
+    Frozen parameters are left out; keys are the module's own state-dict names.
+    """
+    return get_model_state_dict(module, options=_TRAINABLE_TO_RANK0)
+
+
+def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state dict, keyed by parameter name, on rank 0's CPU; collective."""
+    return get_optimizer_state_dict(module, optimizer, options=_FULL_TO_RANK0)
+
+
+def load_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load a full optimizer state dict read on rank 0 (others pass ``{}``); collective."""
+    set_optimizer_state_dict(module, optimizer, state, options=_FROM_RANK0)

@@ -1,0 +1,800 @@
+"""The training stage: one GRPO round over a scored rollout, JAGG-accelerated, under FSDP2.
+
+Owns the update of one round (:func:`train_round`):
+
+- inputs: the rollout (stage ``rollout``, same ``backbone`` and ``sampler`` sections, sampled
+  from ``--policy`` for this round) and its score table (stage ``score``, computed from those
+  rollouts); the advantages are the table's, not recomputed;
+- the plan: the rollout's micro-batches (whole prompt groups, the batch composition they were
+  sampled in, so log-probs recompute as sampled) are shuffled by the trainer's generator and
+  dealt into ``train.minibatches`` optimizer steps, and each step's share into equal parts per
+  rank;
+- per optimizer step, the GRPO objective is the mean over the step's samples (on ALL ranks)
+  and their trained steps: every rank's :class:`~jagg_pipeline.objective.GRPOStepLoss` has the
+  GLOBAL normaliser, and FSDP2 sums the ranks' gradients (:mod:`jagg_pipeline.distributed`), so
+  the gradient is the one-process gradient whatever the rank count or grouping of steps into
+  backward calls;
+- windows of ``jagg.window`` trained steps, routed to ``jagg.mode`` by ``jagg.jagg_frac`` or
+  by probing (``auto``: the cos-sim between the jagg and the exact gradient per window on a
+  probe batch, every ``auto_every`` rounds, kept in the checkpoint);
+- AdamW, warm-up + constant/linear/cosine LR, grad-norm clipping, optional KL to the frozen
+  base policy, optional EMA; a step whose loss or gradient is non-finite is skipped and
+  counted;
+- metrics: one JSON line per optimizer step in ``CKPT/metrics.jsonl``.
+
+Checkpoint format and atomic writing: :mod:`jagg_pipeline.checkpoint`. A killed run leaves no
+checkpoint; rerunning the command recomputes the round, bit for bit on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jagg_pipeline import checkpoint as ckpt
+from jagg_pipeline import distributed, jagg
+from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
+from jagg_pipeline.objective import GRPOStepLoss
+from jagg_pipeline.tables import read_table
+from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
+
+_TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
+
+
+class TrainInputError(ValueError):
+    """The rollouts, score table or policy do not fit together or the config; names the file."""
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundData:
+    """A scored rollout, checked: trajectories, advantages, rewards and the sampling batches."""
+
+    batch: TrajectoryBatch
+    advantages: torch.Tensor  # [B] float32, from the score table
+    rewards: dict[str, torch.Tensor]  # each reward column and "total", [B]
+    micro_batches: list[list[int]]  # sample indices, as the rollout sampled them
+    round: int  # the round the rollout was sampled for
+
+
+def _check_policy_source(rollouts: Path, made: dict[str, Any], policy: str | Path) -> None:
+    """Refuse rollouts that were not sampled from ``policy`` (PPO ratios would be wrong)."""
+    from jagg_pipeline.policy import BASE, policy_weights_dir
+
+    if str(policy) == BASE:
+        if "policy" in made.get("inputs", {}):
+            raise TrainInputError(
+                f"{rollouts}: was sampled from {made.get('policy')}, not from the base policy"
+            )
+        return
+    try:
+        check_derived_from(rollouts, made, "policy", policy_weights_dir(policy))
+    except ManifestError as err:
+        raise TrainInputError(f"{err}; sample the rollouts from --policy {policy}") from None
+
+
+def _table_rows(path: Path, batch: TrajectoryBatch, reward_names: Sequence[str]) -> list[dict]:
+    rows = read_table(path)
+    if len(rows) != len(batch):
+        raise TrainInputError(f"{path}: {len(rows)} rows for a rollout of {len(batch)} samples")
+    missing = [c for c in (*_TABLE_COLUMNS, *reward_names) if c not in rows[0]]
+    if missing:
+        raise TrainInputError(f"{path}: lacks the column(s) {', '.join(missing)}")
+    columns = {
+        name: torch.tensor([int(row[name]) for row in rows])
+        for name in ("sample", "prompt_id", "group")
+    }
+    expected = {
+        "sample": torch.arange(len(batch)),
+        "prompt_id": batch.prompt_ids,
+        "group": batch.group_ids,
+    }
+    for name, values in columns.items():
+        if not torch.equal(values, expected[name].to(values.dtype)):
+            raise TrainInputError(
+                f"{path}: column {name!r} does not match the rollout's samples in order"
+            )
+    return rows
+
+
+def _rollout_micro_batches(rollouts: Path, made: dict[str, Any], size: int) -> list[list[int]]:
+    ranges = made.get("micro_batches")
+    if not ranges:
+        raise TrainInputError(f"{rollouts}: its manifest records no micro_batches")
+    batches = [list(range(start, stop)) for start, stop in ranges]
+    if sorted(i for b in batches for i in b) != list(range(size)):
+        raise TrainInputError(
+            f"{rollouts}: the manifest's micro_batches do not cover its {size} samples"
+        )
+    return batches
+
+
+def load_round_data(
+    config: Any, policy: str | Path, rollouts: str | Path, rewards: str | Path
+) -> RoundData:
+    """Read and cross-check a round's inputs; errors name the file that does not fit."""
+    rollouts, rewards = Path(rollouts), Path(rewards)
+    made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
+    scored = check_input(rewards, stage="score", config=config, sections=["rewards"])
+    check_derived_from(rewards, scored, "rollouts", rollouts)
+    _check_policy_source(rollouts, made, policy)
+    batch = load_rollout(rollouts)
+    names = list(config.rewards.weights)
+    rows = _table_rows(rewards, batch, names)
+    return RoundData(
+        batch=batch,
+        advantages=torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
+        rewards={
+            name: torch.tensor([float(r[name]) for r in rows], dtype=torch.float32)
+            for name in (*names, "total")
+        },
+        micro_batches=_rollout_micro_batches(rollouts, made, len(batch)),
+        round=int(made.get("seeds", {}).get("round", 0)),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Plan: micro-batches -> optimizer steps -> ranks
+# --------------------------------------------------------------------------------------------
+
+
+def plan_steps(
+    num_micro_batches: int, minibatches: int, world_size: int, generator: torch.Generator
+) -> list[list[list[int]]]:
+    """``plan[step][rank]``: the indices of the rollout micro-batches each rank trains on.
+
+    Micro-batches are shuffled, dealt into ``minibatches`` optimizer steps, and each step's
+    share into equal parts per rank: FSDP2 ranks must make the same number of forward and
+    backward calls, so every rank gets the same number of micro-batches.
+    """
+    if num_micro_batches % minibatches:
+        raise TrainInputError(
+            f"train.minibatches={minibatches} does not divide the rollout's {num_micro_batches} "
+            "micro-batches (sampler.prompts_per_round groups, sampler.batch_size samples each)"
+        )
+    per_step = num_micro_batches // minibatches
+    if per_step % world_size:
+        raise TrainInputError(
+            f"{per_step} micro-batches per optimizer step cannot be split evenly over "
+            f"{world_size} processes (train.nproc / torchrun --nproc_per_node); change "
+            "train.minibatches, sampler.prompts_per_round or sampler.batch_size"
+        )
+    order = torch.randperm(num_micro_batches, generator=generator).tolist()
+    per_rank = per_step // world_size
+    return [
+        [
+            order[step * per_step + rank * per_rank : step * per_step + (rank + 1) * per_rank]
+            for rank in range(world_size)
+        ]
+        for step in range(minibatches)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Routing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Routing:
+    """Which windows use the approximate gradient, and why (stored in the checkpoint).
+
+    ``source``: ``exact`` (mode exact), ``fraction`` (``jagg_frac``), ``auto`` (probed in
+    round ``probed_round``, with the per-window similarities in ``probes``).
+    """
+
+    routed: list[bool]
+    source: str
+    probed_round: int | None = None
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Routing | None:
+        return None if data is None else cls(**data)
+
+
+def probe_summary(probes: Sequence[jagg.WindowProbe]) -> list[dict[str, Any]]:
+    """The per-window agreement of jagg and no_interp with exact, as plain data."""
+    return [
+        {
+            "window": p.index,
+            "steps": p.steps,
+            "sigma_start": p.sigma_start,
+            "sigma_end": p.sigma_end,
+            "jagg_cos_sim": p.jagg.cos_sim,
+            "jagg_rel_err": p.jagg.rel_err,
+            "no_interp_cos_sim": p.no_interp.cos_sim,
+            "no_interp_rel_err": p.no_interp.rel_err,
+        }
+        for p in probes
+    ]
+
+
+def decide_routing(
+    jagg_config: Any,
+    num_windows: int,
+    round_index: int,
+    previous: Routing | None,
+    probe: Callable[[], list[dict[str, Any]]],
+) -> Routing:
+    """The routing of this round's windows (counted from high noise).
+
+    ``auto`` probes in round 0, every ``auto_every`` rounds, and whenever the stored routing
+    is missing or was made for another number of windows; otherwise it keeps the stored one.
+    A window goes to the approximation when its probed cos-sim (of ``jagg.mode``) is at least
+    ``auto_threshold``; an undefined similarity (zero gradient) keeps it exact.
+    """
+    if jagg_config.mode == "exact":
+        return Routing([False] * num_windows, "exact")
+    if jagg_config.jagg_frac != "auto":
+        return Routing(jagg.route_windows(num_windows, jagg_config.jagg_frac), "fraction")
+    reuse = (
+        previous is not None
+        and previous.source == "auto"
+        and len(previous.routed) == num_windows
+        and round_index % jagg_config.auto_every != 0
+    )
+    if reuse:
+        return previous
+    probes = probe()
+    key = f"{jagg_config.mode}_cos_sim"
+    routed = [math.isfinite(p[key]) and p[key] >= jagg_config.auto_threshold for p in probes]
+    return Routing(routed, "auto", round_index, probes)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient accumulation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the training device with its GRPO objective."""
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    cond: dict[str, torch.Tensor]
+    objective: GRPOStepLoss
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+
+def accumulate_gradient(
+    velocity: Callable[..., torch.Tensor],
+    micro_batches: Sequence[MicroBatch],
+    windows: Sequence[Sequence[int]],
+    routed: Sequence[bool],
+    mode: str,
+    set_sync: Callable[[bool], None],
+    **engine_options: Any,
+) -> list[list[jagg.WindowStats]]:
+    """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
+
+    Backward calls are grouped into units: one per approximated window (a single backward
+    call over both endpoints) and one per step of an exact window (an exact window IS W
+    single-step backward calls, so splitting it computes exactly the same thing). Gradient
+    sync (the reduce-scatter) is on for the last unit only: FSDP2 accumulates the unsharded
+    gradients locally until then, so each parameter group is reduced ONCE per optimizer step
+    instead of once per backward call (fewer collectives, at the memory cost of holding the
+    unsharded gradients of the step).
+    """
+    units = []
+    for m in range(len(micro_batches)):
+        for w, (chunk, approx) in enumerate(zip(windows, routed, strict=True)):
+            if approx and mode != "exact":
+                units.append((m, w, list(chunk), mode))
+            else:
+                units.extend((m, w, [k], "exact") for k in chunk)
+    stats = [
+        [jagg.WindowStats(steps=list(c), mode="exact") for c in windows] for _ in micro_batches
+    ]
+    for index, (m, w, steps, unit_mode) in enumerate(units):
+        set_sync(index == len(units) - 1)
+        part = micro_batches[m]
+        result = jagg.window_gradient(
+            velocity,
+            part.objective,
+            part.latents,
+            part.sigmas,
+            part.cond,
+            steps,
+            unit_mode,
+            **engine_options,
+        )
+        merged = stats[m][w]
+        if len(steps) > 1:
+            merged.mode = result.mode
+        merged.loss += result.loss
+        merged.forward_rows += result.forward_rows
+        merged.network_calls += result.network_calls
+        merged.backward_calls += result.backward_calls
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer pieces
+# --------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
+    """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.lr_schedule must be constant, linear or cosine, got {kind!r}")
+
+
+class Ema:
+    """Exponential moving average of the trainable weights, sharded like them."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        decay: float,
+        saved: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"train.ema_decay must be in (0, 1), got {decay}")
+        if saved is not None and set(saved) != set(params):
+            raise TrainInputError("the policy's EMA weights do not match the trainable weights")
+        self.decay = decay
+        self.shadow = {
+            name: distributed.shard_like(saved[name], p)
+            if saved is not None
+            else p.detach().clone()
+            for name, p in params.items()
+        }
+
+    @torch.no_grad()
+    def update(self, params: dict[str, torch.Tensor]) -> None:
+        for name, p in params.items():
+            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full EMA weights (a collective; meaningful on rank 0)."""
+        return {name: distributed.full_tensor(t).cpu() for name, t in self.shadow.items()}
+
+
+class _Clock:
+    """Seconds spent inside the wrapped velocity calls (forward passes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wrap(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(fn)
+        def timed(*args: Any) -> torch.Tensor:
+            start = time.perf_counter()
+            out = fn(*args)
+            self.sync()
+            self.seconds += time.perf_counter() - start
+            return out
+
+        return timed
+
+
+@contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic kernels where torch has them (matters on CUDA), restored afterwards."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+# --------------------------------------------------------------------------------------------
+# The round
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundResult:
+    """What :func:`train_round` did: the checkpoint and the per-step metrics."""
+
+    checkpoint: Path
+    round: int
+    metrics: list[dict[str, Any]]
+    routing: Routing
+
+
+def _reward_stats(data: RoundData, indices: Sequence[int]) -> dict[str, float]:
+    index = torch.tensor(list(indices))
+    total = data.rewards["total"][index]
+    stats = {
+        "mean": float(total.mean()),
+        "std": float(total.std(unbiased=False)),
+        "min": float(total.min()),
+        "max": float(total.max()),
+    }
+    stats.update({name: float(v[index].mean()) for name, v in data.rewards.items()})
+    return stats
+
+
+def _probe_indices(data: RoundData, order: Sequence[int], groups: int) -> list[int]:
+    """Samples of the first ``groups`` prompt groups met in the shuffled micro-batch order."""
+    samples = [i for m in order for i in data.micro_batches[m]]
+    first = list(dict.fromkeys(int(data.batch.group_ids[i]) for i in samples))[:groups]
+    return [i for i in samples if int(data.batch.group_ids[i]) in first]
+
+
+def _log_step(row: dict[str, Any], steps: int) -> None:
+    """One plain line per optimizer step on stderr (batch logs have no progress bar)."""
+    print(
+        f"train round {row['round']} step {row['step'] + 1}/{steps}: loss={row['loss']:.4g} "
+        f"grad_norm={row['grad_norm']:.4g} reward={row['reward']['mean']:.4g}"
+        + (" SKIPPED (non-finite)" if row["skipped"] else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class _Trainer:
+    """One round's live state on one rank: the sharded policy, optimizer, schedule and EMA."""
+
+    def __init__(
+        self,
+        config: Any,
+        ctx: distributed.DistContext,
+        policy: str | Path,
+        previous: ckpt.TrainerState | None,
+    ) -> None:
+        from jagg_pipeline.policy import BASE, load_policy
+
+        self.config, self.ctx = config, ctx
+        train = config.train
+        self.generator = torch.Generator()
+        if previous is None:
+            self.generator.manual_seed(train.seed)
+        else:
+            self.generator.set_state(ckpt.read_rng_state(policy))
+        self.skipped = 0 if previous is None else previous.skipped_steps
+        self.clock = _Clock(ctx.device)
+        mixed = train.mixed_precision == "bf16"
+
+        self.backbone = load_policy(config, policy, ctx.device)
+        distributed.shard_backbone(self.backbone, ctx, mixed_precision=mixed)
+        self.velocity = self.clock.wrap(self.backbone.velocity)
+        self.reference = None
+        if config.grpo.kl_beta > 0:
+            frozen = load_policy(config, BASE, ctx.device)
+            frozen.transformer.requires_grad_(False)
+            distributed.shard_backbone(frozen, ctx, mixed_precision=mixed)
+            self.reference = self.clock.wrap(frozen.velocity)
+        transformer = self.backbone.transformer
+        self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+        self.params = list(self.named.values())
+
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+        )
+        # The schedule comes from the config (a partial's state is not saved), its position
+        # from the checkpoint.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            functools.partial(
+                lr_factor,
+                total=train.rounds * train.minibatches,
+                warmup=train.warmup_steps,
+                kind=train.lr_schedule,
+            ),
+        )
+        if previous is not None:
+            state = ckpt.read_optimizer_state(policy) if ctx.is_main else {}
+            distributed.load_optimizer_state_dict(transformer, self.optimizer, state)
+            self.scheduler.load_state_dict(previous.scheduler)
+        self.ema = None
+        if train.ema_decay is not None:
+            saved = None if previous is None else ckpt.read_ema_state(policy)
+            self.ema = Ema(self.named, train.ema_decay, saved)
+
+    def micro_batch(
+        self, data: RoundData, indices: Sequence[int], normalizer: float | None
+    ) -> MicroBatch:
+        """The samples ``indices`` on this rank's device with their GRPO objective.
+
+        ``normalizer``: what the summed step losses are divided by (None: this batch's
+        samples times trained steps).
+        """
+        from jagg_pipeline.rollout import step_coefficients
+
+        device, config = self.ctx.device, self.config
+        part = data.batch.select(list(indices))
+        latents = part.latents.to(device)
+        sigmas = part.sigmas.to(device)
+        cond = {k: v.to(device) for k, v in part.cond.items()}
+        objective = GRPOStepLoss(
+            latents,
+            sigmas,
+            part.log_probs.to(device),
+            data.advantages[list(indices)].to(device),
+            part.trained_steps,
+            step_coefficients(config.sampler),
+            config.grpo.clip_range,
+            normalizer=normalizer,
+            kl_beta=config.grpo.kl_beta,
+            reference=self.reference,
+            cond=cond,
+        )
+        return MicroBatch(latents, sigmas, cond, objective)
+
+    def probe(self, data: RoundData, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Per-window agreement with the exact gradient on the samples ``indices``.
+
+        Every rank probes the same batch: the summed gradients are world_size times one
+        rank's, which leaves the cosine similarities unchanged.
+        """
+        jagg_config = self.config.jagg
+        batch = self.micro_batch(data, indices, None)
+        return probe_summary(
+            jagg.probe_windows(
+                self.params,
+                self.velocity,
+                batch.objective,
+                batch.latents,
+                batch.sigmas,
+                batch.cond,
+                data.batch.trained_steps,
+                window=jagg_config.window,
+                weights=jagg_config.weights,
+                no_interp=jagg_config.no_interp,
+            )
+        )
+
+    def step(
+        self,
+        data: RoundData,
+        step_plan: Sequence[Sequence[int]],
+        windows: Sequence[Sequence[int]],
+        routing: Routing,
+    ) -> dict[str, Any]:
+        """One optimizer step on this rank's micro-batches of ``step_plan``; its metrics."""
+        jagg_config = self.config.jagg
+        samples = [i for rank in step_plan for m in rank for i in data.micro_batches[m]]
+        # The objective is the mean over the step's samples on ALL ranks.
+        normalizer = float(len(samples) * len(data.batch.trained_steps))
+        local = [
+            self.micro_batch(data, data.micro_batches[m], normalizer)
+            for m in step_plan[self.ctx.rank]
+        ]
+        lr = self.scheduler.get_last_lr()[0]
+        forward_before = self.clock.seconds
+        start = time.perf_counter()
+        stats = accumulate_gradient(
+            self.velocity,
+            local,
+            windows,
+            routing.routed,
+            jagg_config.mode,
+            lambda on: distributed.set_gradient_sync(self.backbone.transformer, on),
+            weights=jagg_config.weights,
+            no_interp=jagg_config.no_interp,
+            stack_forwards=jagg_config.stack_forwards,
+        )
+        self.clock.sync()
+        engine_seconds = time.perf_counter() - start
+        forward_seconds = self.clock.seconds - forward_before
+
+        diagnostics = [part.objective.diagnostics() for part in local]
+        loss, clipfrac, approx_kl = distributed.all_reduce_sum(
+            [
+                sum(w.loss for row in stats for w in row),
+                sum(d["clipfrac"] * p.size for d, p in zip(diagnostics, local, strict=True)),
+                sum(d["approx_kl"] * p.size for d, p in zip(diagnostics, local, strict=True)),
+            ]
+        )
+        start = time.perf_counter()
+        grad_norm, applied = self._apply(loss)
+        optimizer_seconds = time.perf_counter() - start
+
+        per_window = [
+            {
+                "window": w,
+                "steps": list(chunk),
+                "mode": stats[0][w].mode,
+                "backward_calls": sum(row[w].backward_calls for row in stats),
+            }
+            for w, chunk in enumerate(windows)
+        ]
+        return {
+            "global_step": self.scheduler.last_epoch - 1,
+            "lr": lr,
+            "loss": loss,
+            "clipfrac": clipfrac / len(samples),
+            "approx_kl": approx_kl / len(samples),
+            "grad_norm": grad_norm,
+            "skipped": not applied,
+            "skipped_steps": self.skipped,
+            "reward": _reward_stats(data, samples),
+            "samples": len(samples),
+            "micro_batches_per_rank": len(local),
+            "backward_calls": sum(w["backward_calls"] for w in per_window),
+            "network_calls": sum(w.network_calls for row in stats for w in row),
+            "windows": per_window,
+            "time": {
+                "forward": forward_seconds,
+                "backward": engine_seconds - forward_seconds,
+                "optimizer": optimizer_seconds,
+            },
+        }
+
+    def _apply(self, loss: float) -> tuple[float, bool]:
+        """Clip, then step unless the loss or the gradient is non-finite: (grad norm, applied)."""
+        clip = self.config.train.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
+        grad_norm = float(distributed.full_tensor(norm))
+        # Loss and norm are global (all-reduced), so every rank takes the same branch.
+        applied = math.isfinite(loss) and math.isfinite(grad_norm)
+        if applied:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.named)
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # The schedule follows the optimizer-step index, skipped steps included; torch
+            # warns when the first step of a run is one of them.
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
+            self.scheduler.step()
+        self.clock.sync()
+        return grad_norm, applied
+
+    def contents(
+        self, round_index: int, routing: Routing, metrics: list[dict[str, Any]]
+    ) -> ckpt.CheckpointContents:
+        """Everything the checkpoint holds, gathered to rank 0 (collectives: every rank)."""
+        transformer = self.backbone.transformer
+        return ckpt.CheckpointContents(
+            model_state=distributed.full_model_state_dict(transformer),
+            optimizer_state=distributed.full_optimizer_state_dict(transformer, self.optimizer),
+            rng_state=self.generator.get_state(),
+            trainer=ckpt.TrainerState(
+                round=round_index,
+                global_step=self.scheduler.last_epoch,
+                skipped_steps=self.skipped,
+                scheduler=self.scheduler.state_dict(),
+                routing=dataclasses.asdict(routing),
+                world_size=self.ctx.world_size,
+            ),
+            metrics=metrics,
+            ema_state=None if self.ema is None else self.ema.full_state(),
+        )
+
+
+def train_round(
+    config: Any,
+    policy: str | Path,
+    rollouts: str | Path,
+    rewards: str | Path,
+    out: str | Path,
+    *,
+    progress: bool = True,
+) -> RoundResult:
+    """Train one round on a scored rollout and write the checkpoint ``out`` (atomically).
+
+    ``policy``: ``base`` (round 0) or the previous round's checkpoint, whose optimizer,
+    scheduler, generator, EMA and routing state continue here. Every rank of a ``torchrun``
+    job calls this; without torchrun it runs as a world of one. ``progress``: a progress bar
+    (on a terminal) or one line per optimizer step on stderr, from rank 0.
+    """
+    from tqdm.auto import tqdm
+
+    from jagg_pipeline.policy import BASE, policy_weights_dir
+
+    out = Path(out)
+    data = load_round_data(config, policy, rollouts, rewards)
+    previous = None if str(policy) == BASE else ckpt.read_trainer_state(policy)
+    round_index = 0 if previous is None else previous.round + 1
+    if data.round != round_index:
+        raise TrainInputError(
+            f"{rollouts}: was sampled for round {data.round}, but --policy {policy} trains "
+            f"round {round_index}"
+        )
+    with distributed.distributed(config.backbone.device) as ctx, _deterministic():
+        if ctx.is_main and ctx.world_size != config.train.nproc:
+            print(
+                f"warning: running on {ctx.world_size} processes, train.nproc is "
+                f"{config.train.nproc}",
+                file=sys.stderr,
+            )
+        trainer = _Trainer(config, ctx, policy, previous)
+        windows = jagg.split_windows(data.batch.trained_steps, config.jagg.window)
+        plan = plan_steps(
+            len(data.micro_batches), config.train.minibatches, ctx.world_size, trainer.generator
+        )
+        order = [m for step in plan for rank in step for m in rank]
+        probe_start = time.perf_counter()
+        routing = decide_routing(
+            config.jagg,
+            len(windows),
+            round_index,
+            None if previous is None else Routing.from_dict(previous.routing),
+            lambda: trainer.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups)),
+        )
+        probe_seconds = time.perf_counter() - probe_start
+
+        metrics: list[dict[str, Any]] = []
+        bar = tqdm(
+            total=len(plan),
+            desc=f"train round {round_index}",
+            unit="step",
+            disable=None if progress and ctx.is_main else True,
+        )
+        for step_index, step_plan in enumerate(plan):
+            row = {"round": round_index, "step": step_index}
+            row.update(trainer.step(data, step_plan, windows, routing))
+            if step_index == 0:
+                row["routing"] = {"source": routing.source, "routed": routing.routed}
+                if routing.source == "auto" and routing.probed_round == round_index:
+                    row["probe"] = routing.probes
+                    row["time"]["probe"] = probe_seconds
+            metrics.append(row)
+            if ctx.is_main and progress:
+                if bar.disable:
+                    _log_step(row, len(plan))
+                else:
+                    bar.set_postfix(loss=f"{row['loss']:.3g}", grad=f"{row['grad_norm']:.3g}")
+            bar.update()
+        bar.close()
+
+        contents = trainer.contents(round_index, routing, metrics)
+        failure = None
+        if ctx.is_main:
+            inputs = {"rollouts": Path(rollouts), "rewards": Path(rewards)}
+            if str(policy) != BASE:
+                inputs["policy"] = policy_weights_dir(policy)
+            try:
+                ckpt.write_checkpoint(
+                    out,
+                    trainer.backbone,
+                    contents,
+                    config=config,
+                    seeds={"train": config.train.seed, "round": round_index},
+                    inputs=inputs,
+                    extra={
+                        "round": round_index,
+                        "policy": str(policy),
+                        "world_size": ctx.world_size,
+                        "global_step": contents.trainer.global_step,
+                        "skipped_steps": contents.trainer.skipped_steps,
+                    },
+                )
+            except ckpt.NonFiniteError as err:
+                failure = str(err)
+        # Every rank fails the same way when rank 0 refuses to write.
+        failure = distributed.broadcast_object(failure)
+        if failure is not None:
+            raise ckpt.NonFiniteError(failure)
+    return RoundResult(out, round_index, metrics, routing)

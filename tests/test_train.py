@@ -1,0 +1,471 @@
+"""The training stage: gradient modes, routing, loop, non-finite steps, checkpoints, resume.
+
+In-process rounds run under FSDP2 as a world of one (the code path of every world size);
+tests/test_distributed.py runs two processes. float64 makes the equalities tight.
+"""
+
+import json
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+import train_helpers
+from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
+    base_rollout_fixture,
+    launcher,
+    make_config,
+    max_difference,
+    policy_weights,
+    scored_rollout,
+    subprocess_env,
+    tiny_sd3_fixture,
+    write_config,
+)
+
+from jagg_pipeline import checkpoint as ckpt
+from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
+from jagg_pipeline.loop import run_rounds
+from jagg_pipeline.manifest import ManifestError
+from jagg_pipeline.tables import read_table, write_table
+from jagg_pipeline.train import (
+    Routing,
+    TrainInputError,
+    decide_routing,
+    load_round_data,
+    lr_factor,
+    plan_steps,
+    train_round,
+)
+
+
+def _train(config, rollout, out, policy="base"):
+    rollouts, table = rollout
+    return train_round(config, policy, rollouts, table, out, progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient modes and backward calls
+# --------------------------------------------------------------------------------------------
+
+
+def test_jagg_at_window_2_equals_exact_and_frac_0_is_exact(tiny_sd3, base_rollout, tmp_path):
+    """Test 2a: at W = 2 jagg is exact by construction; jagg_frac = 0 routes nothing."""
+    runs = {}
+    for name, jagg in {
+        "exact": {"mode": "exact", "window": 2},
+        "jagg": {"mode": "jagg", "window": 2, "jagg_frac": 1.0},
+        "frac0": {"mode": "jagg", "window": 4, "jagg_frac": 0.0},
+    }.items():
+        result = _train(make_config(tiny_sd3, jagg=jagg), base_rollout, tmp_path / name)
+        runs[name] = (policy_weights(tmp_path / name), result.metrics[0])
+    exact, jagg, frac0 = (runs[n][0] for n in ("exact", "jagg", "frac0"))
+    # float64: the stacked endpoint forward changes the summation order, nothing else.
+    assert max_difference(exact, jagg) <= 1e-15
+    assert all(torch.equal(exact[k], frac0[k]) for k in exact)  # the same computation
+    # 8 trained steps, 2 micro-batches: exact makes 8 backward calls per micro-batch, jagg at
+    # W = 2 one per window of 2.
+    assert [runs[n][1]["backward_calls"] for n in ("exact", "jagg", "frac0")] == [16, 8, 16]
+    # The step's gradient is that of the mean over ALL its samples and trained steps, however
+    # they are split into micro-batches and backward calls.
+    direct = _mean_objective_gradient(make_config(tiny_sd3), *base_rollout)
+    assert runs["exact"][1]["grad_norm"] == pytest.approx(float(direct.norm()), rel=1e-12)
+
+
+def _mean_objective_gradient(config, rollouts, table):
+    """The gradient of the GRPO objective of the whole rollout in one batch, by autograd."""
+    from jagg_pipeline import jagg
+    from jagg_pipeline.objective import GRPOStepLoss
+    from jagg_pipeline.policy import load_policy
+    from jagg_pipeline.rollout import step_coefficients
+    from jagg_pipeline.trajectories import load_rollout
+
+    batch = load_rollout(rollouts)
+    advantages = torch.tensor([row["advantage"] for row in read_table(table)])
+    backbone = load_policy(config, "base")
+    objective = GRPOStepLoss(
+        batch.latents,
+        batch.sigmas,
+        batch.log_probs,
+        advantages,
+        batch.trained_steps,
+        step_coefficients(config.sampler),
+        config.grpo.clip_range,
+        cond=batch.cond,
+    )
+
+    def loss():
+        total = sum(
+            objective(
+                backbone.velocity(
+                    batch.latents[:, k], batch.sigmas[k].expand(len(batch)), batch.cond
+                ),
+                k,
+            )
+            for k in batch.trained_steps
+        )
+        total.backward()
+
+    return jagg.collect_gradient(backbone.trainable_parameters(), loss)
+
+
+def test_window_4_counts_4_backward_calls_per_exact_window_1_per_jagg(
+    tiny_sd3, base_rollout, tmp_path
+):
+    """Test 2b: W = 4, jagg_frac = 0.5: the high-noise window is jagg, the other exact."""
+    config = make_config(tiny_sd3, jagg={"mode": "jagg", "window": 4, "jagg_frac": 0.5})
+    metrics = _train(config, base_rollout, tmp_path / "ckpt").metrics
+    (row,) = metrics
+    assert row["micro_batches_per_rank"] == 2
+    windows = [(w["steps"], w["mode"], w["backward_calls"]) for w in row["windows"]]
+    assert windows == [([0, 1, 2, 3], "jagg", 1 * 2), ([4, 5, 6, 7], "exact", 4 * 2)]
+    assert row["routing"] == {"source": "fraction", "routed": [True, False]}
+    # The metrics line carries what the issue asks for.
+    for key in ("loss", "clipfrac", "approx_kl", "grad_norm", "lr", "reward", "skipped"):
+        assert key in row
+    assert set(row["time"]) == {"forward", "backward", "optimizer"}
+    assert row["reward"]["mean"] < 0  # -JPEG kB
+
+
+# --------------------------------------------------------------------------------------------
+# Rounds, routing, the loop
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_rounds_chain_policies_and_keep_auto_routing(tiny_sd3, tmp_path):
+    """rollout -> score -> train twice: round numbers, optimizer/scheduler continue, the
+    next rollout is sampled from the checkpoint (ratio 1), auto routing probed in round 0
+    (every 2 rounds) and kept in round 1."""
+    config = make_config(
+        tiny_sd3,
+        jagg={
+            "mode": "jagg",
+            "window": 4,
+            "jagg_frac": "auto",
+            "auto_threshold": 0.9,
+            "auto_every": 2,
+            "auto_probe_groups": 1,
+        },
+        grpo={"clip_range": 1e-4},
+        train={"rounds": 2, "minibatches": 2, "lr_schedule": "linear", "warmup_steps": 1},
+    )
+    rounds = run_rounds(config, tmp_path)
+    assert [r.round for r in rounds] == [0, 1, 2]
+    assert rounds[0].policy == "base" and rounds[1].policy == str(rounds[0].checkpoint)
+    assert rounds[2].checkpoint is None and rounds[2].policy == str(rounds[1].checkpoint)
+
+    states = [read_trainer_state(r.checkpoint) for r in rounds[:2]]
+    assert [(s.round, s.global_step) for s in states] == [(0, 2), (1, 4)]
+    adam = ckpt.read_optimizer_state(rounds[1].checkpoint)["state"]
+    assert {float(v["step"]) for v in adam.values()} == {4.0}
+    metrics = [
+        [json.loads(line) for line in (r.checkpoint / "metrics.jsonl").read_text().splitlines()]
+        for r in rounds[:2]
+    ]
+    # Linear decay over rounds * minibatches = 4 steps after 1 warm-up step.
+    lrs = [row["lr"] for rows in metrics for row in rows]
+    assert lrs == pytest.approx(
+        [1e-4 * lr_factor(s, total=4, warmup=1, kind="linear") for s in range(4)]
+    )
+    # Each round's first step recomputes its rollout's log-probs (sampled from the policy
+    # being trained): no ratio leaves the 1e-4 clip range.
+    assert [rows[0]["clipfrac"] for rows in metrics] == [0.0, 0.0]
+
+    probe = metrics[0][0]["probe"]
+    assert [p["steps"] for p in probe] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(-1.0 <= p["jagg_cos_sim"] <= 1.0 for p in probe)
+    routed = [p["jagg_cos_sim"] >= 0.9 for p in probe]
+    assert states[0].routing["routed"] == routed
+    assert states[0].routing["probed_round"] == 0
+    assert "probe" not in metrics[1][0]  # round 1 % auto_every != 0: kept
+    assert states[1].routing == states[0].routing
+    for rows in metrics:
+        modes = ["jagg" if r else "exact" for r in routed]
+        assert [w["mode"] for w in rows[0]["windows"]] == modes
+
+
+def test_decide_routing_probes_on_schedule():
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return [{"steps": [0, 1], "jagg_cos_sim": 0.95}, {"steps": [2, 3], "jagg_cos_sim": 0.5}]
+
+    def settings(**changes):
+        base = {"mode": "jagg", "jagg_frac": "auto", "auto_threshold": 0.8, "auto_every": 3}
+        return type("Jagg", (), {**base, **changes})
+
+    first = decide_routing(settings(), 2, 0, None, probe)
+    assert (first.routed, first.source, first.probed_round) == ([True, False], "auto", 0)
+    assert decide_routing(settings(), 2, 1, first, probe) is first  # kept
+    assert decide_routing(settings(), 2, 3, first, probe).probed_round == 3  # every 3 rounds
+    assert decide_routing(settings(), 3, 1, first, probe).probed_round == 1  # other windows
+    assert len(calls) == 3
+    nan = decide_routing(
+        settings(), 1, 0, None, lambda: [{"steps": [0], "jagg_cos_sim": float("nan")}]
+    )
+    assert nan.routed == [False]
+    assert decide_routing(settings(mode="exact"), 2, 0, None, probe).routed == [False, False]
+    frac = decide_routing(settings(jagg_frac=0.5), 4, 0, None, probe)
+    assert (frac.routed, frac.source) == ([True, True, False, False], "fraction")
+    assert Routing.from_dict(None) is None
+    assert len(calls) == 3
+
+
+def test_plan_steps_deals_whole_micro_batches_evenly():
+    plan = plan_steps(8, 2, 2, torch.Generator().manual_seed(0))
+    assert [[len(rank) for rank in step] for step in plan] == [[2, 2], [2, 2]]
+    assert sorted(m for step in plan for rank in step for m in rank) == list(range(8))
+    assert plan == plan_steps(8, 2, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(TrainInputError, match=r"train\.minibatches=3"):
+        plan_steps(8, 3, 1, torch.Generator())
+    with pytest.raises(TrainInputError, match=r"train\.nproc"):
+        plan_steps(6, 2, 2, torch.Generator())
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, total=5, warmup=2, kind="constant") for s in range(4)] == [0.5, 1, 1, 1]
+    assert lr_factor(4, total=5, warmup=0, kind="linear") == pytest.approx(0.2)
+    assert lr_factor(0, total=5, warmup=0, kind="cosine") == 1.0
+    assert lr_factor(5, total=5, warmup=0, kind="cosine") == pytest.approx(0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs that do not fit
+# --------------------------------------------------------------------------------------------
+
+
+def test_inputs_that_do_not_fit_are_refused_naming_the_file(tiny_sd3, base_rollout, tmp_path):
+    rollouts, table = base_rollout
+    config = make_config(tiny_sd3)
+    other_sampler = make_config(tiny_sd3, sampler={"num_steps": 7})
+    with pytest.raises(
+        ManifestError, match=f"{re.escape(str(rollouts))}: .*different config section sampler"
+    ):
+        load_round_data(other_sampler, "base", rollouts, table)
+    # A score table of other rollouts (another round of the same policy).
+    other_rollouts, other_table = scored_rollout(config, tmp_path / "r1", round_index=1)
+    with pytest.raises(
+        ManifestError, match=re.escape(f"{other_table}: was not computed from {rollouts}")
+    ):
+        load_round_data(config, "base", rollouts, other_table)
+    # Rollouts of round 1 for a base policy (round 0).
+    with pytest.raises(TrainInputError, match="sampled for round 1"):
+        train_round(config, "base", other_rollouts, other_table, tmp_path / "x", progress=False)
+    # A checkpoint's next round on rollouts sampled from the base policy.
+    trained = _train(config, base_rollout, tmp_path / "ckpt").checkpoint
+    with pytest.raises(TrainInputError, match="sample the rollouts from --policy"):
+        load_round_data(config, trained, rollouts, table)
+    # A table whose rows are not the rollout's samples in order.
+    rows = read_table(table)
+    shuffled = tmp_path / "shuffled.parquet"
+    write_table(shuffled, rows[1:] + rows[:1])
+    shutil.copy(f"{table}.manifest.json", f"{shuffled}.manifest.json")
+    with pytest.raises(TrainInputError, match=re.escape(f"{shuffled}: column 'sample'")):
+        load_round_data(config, "base", rollouts, shuffled)
+    assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite state
+# --------------------------------------------------------------------------------------------
+
+
+def test_nonfinite_loss_skips_the_step(tiny_sd3, base_rollout, tmp_path):
+    rollouts, table = base_rollout
+    rows = read_table(table)
+    rows[3]["advantage"] = float("nan")
+    poisoned = tmp_path / "nan.parquet"
+    write_table(poisoned, rows)
+    shutil.copy(f"{table}.manifest.json", f"{poisoned}.manifest.json")
+    config = make_config(tiny_sd3, train={"ema_decay": 0.5})
+    result = _train(config, (rollouts, poisoned), tmp_path / "ckpt")
+    (row,) = result.metrics
+    assert row["skipped"] and row["skipped_steps"] == 1
+    assert read_trainer_state(result.checkpoint).skipped_steps == 1
+    trained = policy_weights(result.checkpoint)
+    base = train_helpers.base_weights(tiny_sd3)
+    assert all(torch.equal(trained[k], base[k]) for k in trained)  # no update applied
+    assert ckpt.read_ema_state(result.checkpoint).keys() == trained.keys()
+    line = (result.checkpoint / "metrics.jsonl").read_text()
+    assert '"loss": null' in line  # strict JSON
+
+
+def test_nonfinite_weights_write_no_checkpoint(tiny_sd3, base_rollout, tmp_path):
+    config = make_config(tiny_sd3, train={"lr": 1e308, "grad_clip": 0.0})
+    with pytest.raises(NonFiniteError, match="no checkpoint written"):
+        _train(config, base_rollout, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    assert not ckpt.partial_path(tmp_path / "ckpt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA, EMA, KL, mixed precision; the checkpoint format
+# --------------------------------------------------------------------------------------------
+
+
+def test_lora_ema_kl_bf16_checkpointing_checkpoint_is_the_next_policy(tiny_sd3, tmp_path):
+    from jagg_pipeline.policy import load_policy
+
+    config = make_config(
+        tiny_sd3,
+        backbone={"training": "lora", "lora": {"rank": 2}, "gradient_checkpointing": True},
+        grpo={"kl_beta": 0.1},
+        train={"ema_decay": 0.9, "mixed_precision": "bf16", "lr": 1e-3},
+    )
+    rollout = scored_rollout(config, tmp_path / "r0")
+    result = _train(config, rollout, tmp_path / "ckpt")
+    out = result.checkpoint
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert names == {
+        "manifest.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "policy/adapter_config.json",
+        "policy/adapter_model.safetensors",
+        "trainer/state.json",
+        "trainer/optimizer.safetensors",
+        "trainer/rng.safetensors",
+        "trainer/ema.safetensors",
+    }
+    assert json.loads((out / "manifest.json").read_text())["stage"] == "train"
+    adapters = policy_weights(out)
+    assert adapters and all("lora_" in k for k in adapters)
+    ema = ckpt.read_ema_state(out)
+    assert ema and all("lora_" in k for k in ema)
+    assert set(ckpt.read_optimizer_state(out)["state"]) == set(ema)
+    assert torch.isfinite(torch.tensor(result.metrics[0]["loss"]))
+    # The checkpoint is the next round's policy; LoRA B starts at zero, so a trained B moved.
+    backbone = load_policy(config, out)
+    lora_b = [p.detach() for n, p in backbone.transformer.named_parameters() if "lora_B" in n]
+    assert any(float(p.abs().max()) > 0 for p in lora_b)
+
+
+def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
+    """A write that dies half-way leaves nothing under the target; the next write clears the
+    leftovers; an existing checkpoint is replaced whole."""
+    import dataclasses
+
+    from jagg_pipeline import rollout
+    from jagg_pipeline.backbones import load_backbone
+
+    config = make_config(tiny_sd3)
+    backbone = load_backbone(dataclasses.replace(config.backbone, load_text_encoders=False))
+    weights = {n: p.detach() for n, p in backbone.transformer.named_parameters()}
+
+    def contents(scale):
+        return ckpt.CheckpointContents(
+            model_state={n: scale * w for n, w in weights.items()},
+            optimizer_state={"state": {}, "param_groups": []},
+            rng_state=torch.Generator().get_state(),
+            trainer=ckpt.TrainerState(round=0, global_step=1, skipped_steps=0, scheduler={}),
+        )
+
+    def write(scale):
+        options = {"config": config, "seeds": {}, "inputs": {}, "extra": {}}
+        return ckpt.write_checkpoint(target, backbone, contents(scale), **options)
+
+    target = tmp_path / "ckpt"
+    original = rollout.finish_output
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollout, "finish_output", dies)
+    with pytest.raises(KeyboardInterrupt):
+        write(1.0)
+    assert not target.exists() and ckpt.partial_path(target).is_dir()
+    monkeypatch.setattr(rollout, "finish_output", original)
+    write(1.0)
+    assert not ckpt.partial_path(target).exists()
+    write(2.0)
+    assert max_difference(policy_weights(target), {n: 2 * w for n, w in weights.items()}) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(NonFiniteError, match="non-finite weights"):
+        write(float("nan"))
+    assert max_difference(policy_weights(target), {n: 2 * w for n, w in weights.items()}) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Kill and rerun
+# --------------------------------------------------------------------------------------------
+
+
+def _files(directory):
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _without_times(metrics: bytes) -> list[dict]:
+    rows = [json.loads(line) for line in metrics.decode().splitlines()]
+    for row in rows:
+        row.pop("time")
+    return rows
+
+
+def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_path):
+    """Test 4: SIGKILL after the first of 4 optimizer steps; the rerun's checkpoint is the
+    uninterrupted run's bit for bit (every file; metrics without their timings)."""
+    config = make_config(
+        tiny_sd3,
+        sampler={"batch_size": 4},
+        jagg={"mode": "exact"},
+        train={"minibatches": 4, "ema_decay": 0.9},
+    )
+    rollouts, table = scored_rollout(config, tmp_path / "r0")
+    reference = train_round(config, "base", rollouts, table, tmp_path / "ref", progress=False)
+
+    out = tmp_path / "ckpt"
+    args = ["--config", str(write_config(config, tmp_path / "config.yaml")), "--policy", "base"]
+    args += ["--rollouts", str(rollouts), "--rewards", str(table), "--out", str(out)]
+    command = [*launcher(None), "-m", "jagg_pipeline", "train", *args]
+    process = subprocess.Popen(
+        command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    lines: queue.Queue = queue.Queue()
+
+    def read_stderr():
+        for line in process.stderr:
+            lines.put(line)
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    try:
+        while "step 1/4" not in lines.get(timeout=120):  # one line per optimizer step
+            pass
+    finally:
+        process.kill()  # SIGKILL, while step 2 runs
+        process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL  # (0 would mean it had finished already)
+    assert not out.exists()  # nothing half-written under the final name
+
+    train_helpers.run_train_command(args)
+    got, want = _files(out), _files(reference.checkpoint)
+    assert set(got) == set(want)
+    for name in got:
+        if name == "metrics.jsonl":
+            assert _without_times(got[name]) == _without_times(want[name])
+        else:
+            assert got[name] == want[name], name
+
+
+def test_train_command_documents_outputs_and_names_bad_inputs(tiny_sd3, tmp_path, capsys):
+    from jagg_pipeline.cli import main
+
+    with pytest.raises(SystemExit) as exit_help:
+        main(["train", "--help"])
+    assert exit_help.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("--rollouts", "--rewards", "--policy", "torchrun", "metrics.jsonl", "routing"):
+        assert word in text
+    config = write_config(make_config(tiny_sd3), tmp_path / "config.yaml")
+    missing = tmp_path / "nowhere"
+    args = ["train", "--config", str(config), "--policy", "base", "--rollouts", str(missing)]
+    with pytest.raises(SystemExit, match=f"error: .*{re.escape(str(missing))}"):
+        main([*args, "--rewards", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "o")])
