@@ -66,6 +66,22 @@ def launched_by_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def local_device(device: str) -> torch.device:
+    """``device``, with an index-less ``cuda`` made ``cuda:LOCAL_RANK`` under torchrun."""
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda":
+        if torch_device.index is None:
+            torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(torch_device)
+    return torch_device
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in a world of one)."""
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
 @contextmanager
 def distributed(device: str = "cpu") -> Iterator[DistContext]:
     """Join (or create) the process group for ``device``'s type; tear down what was created.
@@ -75,8 +91,7 @@ def distributed(device: str = "cpu") -> Iterator[DistContext]:
     does). If a process group already exists (e.g. a caller runs several rounds in one
     process), it is used and left alone.
     """
-    torch_device = torch.device(device)
-    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     created = not dist.is_initialized()
     torchrun = launched_by_torchrun()
     local_rank = int(os.environ["LOCAL_RANK"]) if torchrun else 0
@@ -85,10 +100,7 @@ def distributed(device: str = "cpu") -> Iterator[DistContext]:
     elif created:
         # A world of one: the same FSDP2 code path as under torchrun, no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if torch_device.type == "cuda":
-        if torch_device.index is None:
-            torch_device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(torch_device)
+    torch_device = local_device(device)
     try:
         mesh = init_device_mesh(torch_device.type, (dist.get_world_size(),))
         yield DistContext(

@@ -35,9 +35,8 @@ from jagg_pipeline.rollout import (
     derive_seed,
     finish_output,
     micro_batches,
-    prompt_inputs,
-    rank_device,
     sample_batches,
+    stage_inputs,
 )
 from jagg_pipeline.scoring import reward_columns
 from jagg_pipeline.tables import write_table
@@ -159,10 +158,11 @@ def run_evaluate(
     config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
 ) -> dict[str, Any]:
     """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics."""
-    from jagg_pipeline.policy import BASE, load_policy, policy_weights_dir
+    from jagg_pipeline.distributed import local_device
+    from jagg_pipeline.policy import load_policy
 
     out = Path(out)
-    backbone = load_policy(config, policy, rank_device(config))
+    backbone = load_policy(config, policy, local_device(config.backbone.device))
     evaluation = evaluate(config, backbone, progress)
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, (f"{IMAGES_DIR}/*.png",))
@@ -176,15 +176,12 @@ def run_evaluate(
         "seed": ev.seed,
     }
     report = write_evaluation(evaluation, out, info)
-    inputs = prompt_inputs(ev.prompts)
-    if str(policy) != BASE:
-        inputs["policy"] = policy_weights_dir(policy)
     finish_output(
         out,
         config,
         stage=STAGE,
         seeds={"eval": ev.seed},
-        inputs=inputs,
+        inputs=stage_inputs(ev.prompts, policy),
         extra={"policy": str(policy), "prompts": ev.prompts},
     )
     return report

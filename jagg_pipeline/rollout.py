@@ -24,9 +24,7 @@ The ``score`` and ``evaluate`` stages reuse these pieces.
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,47 +292,14 @@ def finish_output(
     )
 
 
-def prompt_inputs(source: str | Path) -> dict[str, Path]:
-    """The manifest input of a prompt source: the file, or nothing for a toy split."""
-    return {} if str(source) in TOY_SOURCES else {"prompts": Path(source)}
+def stage_inputs(source: str | Path, policy: str | Path) -> dict[str, Path]:
+    """Manifest inputs of a sampling stage: the prompt file and the policy's weights, if any."""
+    from jagg_pipeline.policy import BASE, policy_weights_dir
 
-
-@contextmanager
-def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
-    """``(rank, world_size)`` under torchrun (a gloo or nccl group), ``(0, 1)`` otherwise.
-
-    A group this function starts is destroyed on exit; an existing one is reused.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        yield 0, 1
-        return
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield dist.get_rank(), dist.get_world_size()
-    finally:
-        if owned:
-            dist.destroy_process_group()
-
-
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def rank_device(config: Any) -> torch.device:
-    """``backbone.device``, with ``cuda`` made ``cuda:<LOCAL_RANK>`` under torchrun."""
-    device = torch.device(config.backbone.device)
-    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    return device
+    inputs = {} if str(source) in TOY_SOURCES else {"prompts": Path(source)}
+    if str(policy) != BASE:
+        inputs["policy"] = policy_weights_dir(policy)
+    return inputs
 
 
 def run_rollout(
@@ -353,29 +318,27 @@ def run_rollout(
     ``prompts``: a prompt file or ``toy:train`` / ``toy:heldout``. Under torchrun every rank
     runs this; rank 0 clears the directory first and writes the manifest after all shards.
     """
-    from jagg_pipeline.policy import BASE, load_policy, policy_weights_dir
+    from jagg_pipeline.distributed import barrier, distributed
+    from jagg_pipeline.policy import load_policy
 
     out = Path(out)
     plan = plan_rollout(config, resolve_prompts(prompts, column), round_index)
-    device = rank_device(config)
-    with process_group(device) as (rank, world_size):
-        backbone = load_policy(config, policy, device)
+    with distributed(config.backbone.device) as ctx:
+        rank, world_size = ctx.rank, ctx.world_size
+        backbone = load_policy(config, policy, ctx.device)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             begin_output(out, SHARD_FILES)
-        _barrier(world_size)
+        barrier()
         sample_rollout(backbone, plan, rank, world_size, progress and rank == 0).save(out, rank)
-        _barrier(world_size)
+        barrier()
         if rank == 0:
-            inputs = prompt_inputs(prompts)
-            if str(policy) != BASE:
-                inputs["policy"] = policy_weights_dir(policy)
             finish_output(
                 out,
                 config,
                 stage=STAGE,
                 seeds={"train": config.train.seed, "round": round_index},
-                inputs=inputs,
+                inputs=stage_inputs(prompts, policy),
                 extra={
                     "policy": str(policy),
                     "prompts": str(prompts),
