@@ -58,9 +58,13 @@ class BuildSettings:
 
 
 def _bar(total: int, description: str, enabled: bool) -> Any:
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=description, disable=not enabled, leave=True)
+    # Redirected to a log, a bar would write a line per update: refresh rarely there.
+    interval = 0.1 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, desc=description, disable=not enabled, mininterval=interval)
 
 
 def _install(tmp: Path, final: Path) -> None:
