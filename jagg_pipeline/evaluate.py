@@ -142,13 +142,16 @@ def write_evaluation(
             }
         )
     write_table(out / "samples.jsonl", rows)
+    # A prompt's samples side by side, several prompts per row; each metric on its own line.
     captions = [
         f"{row['prompt_id']}: {row['prompt']}\n"
-        + "  ".join(f"{m}={row[m]:.4g}" for m in evaluation.scores)
+        + "\n".join(f"{m}={row[m]:.3g}" for m in evaluation.scores)
         for row in rows
     ]
+    columns = per_sample * max(1, 8 // per_sample)
+    lines = 3 + len(evaluation.scores)
     save_image_grid(
-        out / "grid.png", evaluation.images, captions, columns=per_sample, caption_lines=4
+        out / "grid.png", evaluation.images, captions, columns=columns, caption_lines=lines
     )
     atomic_write_json(out / "metrics.json", report)
     return report

@@ -25,7 +25,8 @@ def image_grid(
     """A PIL image: uint8 images [B, 3, H, W] in ``cell``-pixel tiles, each captioned below.
 
     Small images are enlarged without smoothing (their pixels stay visible), large ones
-    reduced with Lanczos. Captions wrap to the tile width; a newline starts a new line.
+    reduced with Lanczos. Captions wrap to the tile width; a newline starts a new line, and a
+    long first paragraph (the prompt) is cut before the lines after it (the scores) are.
     """
     from PIL import Image, ImageDraw
 
@@ -46,10 +47,18 @@ def image_grid(
         tile = Image.fromarray(images[i].permute(1, 2, 0).cpu().numpy())
         grid.paste(tile.resize((cell_w, cell_h), resample), (x, y))
         if captions is not None:
-            lines = [w for part in captions[i].split("\n") for w in textwrap.wrap(part, chars)]
-            text = "\n".join(lines[:caption_lines])
+            text = "\n".join(_caption_lines(captions[i], chars, caption_lines))
             draw.multiline_text((x, y + cell_h + 1), text, fill="black", spacing=1)
     return grid
+
+
+def _caption_lines(caption: str, width: int, limit: int) -> list[str]:
+    """Wrapped lines of ``caption``; its first paragraph is shortened to keep the others."""
+    parts = caption.split("\n")
+    # Whole words only: a number split across lines reads as two numbers.
+    first, *rest = [textwrap.wrap(p, width, break_long_words=False) or [""] for p in parts]
+    tail = [line for part in rest for line in part]
+    return (first[: max(1, limit - len(tail))] + tail)[:limit]
 
 
 def save_image_grid(

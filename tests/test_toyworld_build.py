@@ -101,3 +101,15 @@ def test_every_family_builds_and_loads_through_its_adapter(family, tmp_path):
     backbone = load_backbone(spec)
     images = sample_images(backbone, ["a blue square at the top, black background"], 2, 0)
     assert images.shape == (1, 3, 32, 32)
+
+
+def test_grid_captions_keep_the_score_lines_when_prompts_are_long():
+    from jagg_pipeline.plots import _caption_lines, image_grid
+
+    long = "a very long prompt " * 10 + "\nscore=1\nother=2"
+    lines = _caption_lines(long, 20, 4)
+    assert lines[-2:] == ["score=1", "other=2"] and len(lines) == 4
+    grid = image_grid(
+        torch.zeros(3, 3, 8, 8, dtype=torch.uint8), ["a", "b", "c"], columns=2, cell=16
+    )
+    assert grid.size[0] == 2 * (16 + 4)
