@@ -7,7 +7,12 @@ import json
 import textwrap
 from pathlib import Path
 
-from jagg_pipeline.cli.rollout import add_config_arguments, load_stage_config, stage_errors
+from jagg_pipeline.cli.rollout import (
+    add_config_arguments,
+    add_policy_argument,
+    load_stage_config,
+    stage_errors,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,12 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p)
-    p.add_argument(
-        "--policy",
-        required=True,
-        metavar="base|CKPT",
-        help="'base' (the checkpoint at backbone.path) or a training checkpoint directory",
-    )
+    add_policy_argument(p)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     p.set_defaults(handler=_run)
 

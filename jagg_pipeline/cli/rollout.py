@@ -36,6 +36,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True)
     )
 
 
+def add_policy_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "'base' (the checkpoint at backbone.path) or a training checkpoint directory",
+) -> None:
+    """``--policy base|CKPT``: the policy a stage samples from or trains."""
+    parser.add_argument("--policy", required=True, metavar="base|CKPT", help=help)
+
+
 def load_stage_config(path: Path, overrides: list[str]) -> Any:
     """The experiment config of a stage command (errors become ``error:`` exits)."""
     from jagg_pipeline.config import load_config
@@ -89,12 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p)
-    p.add_argument(
-        "--policy",
-        required=True,
-        metavar="base|CKPT",
-        help="'base' (the checkpoint at backbone.path) or a training checkpoint directory",
-    )
+    add_policy_argument(p)
     p.add_argument(
         "--prompts",
         required=True,

@@ -6,7 +6,12 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from jagg_pipeline.cli.rollout import add_config_arguments, load_stage_config, stage_errors
+from jagg_pipeline.cli.rollout import (
+    add_config_arguments,
+    add_policy_argument,
+    load_stage_config,
+    stage_errors,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,12 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p)
-    p.add_argument(
-        "--policy",
-        required=True,
-        metavar="base|CKPT",
-        help="'base' (round 0) or the previous round's checkpoint directory",
-    )
+    add_policy_argument(p, "'base' (round 0) or the previous round's checkpoint directory")
     p.add_argument(
         "--rollouts",
         type=Path,
