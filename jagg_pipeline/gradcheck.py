@@ -101,6 +101,21 @@ class GradcheckProblem:
             self.settings.clip_range,
         )
 
+    def probe(self) -> list[jagg.WindowProbe]:
+        """Per-window agreement of jagg and no_interp with exact (window/options from settings)."""
+        return jagg.probe_windows(
+            self.params,
+            self.velocity,
+            self.objective(),
+            self.latents,
+            self.sigmas,
+            self.cond,
+            self.steps,
+            window=self.settings.window,
+            weights=self.settings.weights,
+            no_interp=self.settings.no_interp,
+        )
+
     def gradient(
         self, mode: jagg.GradMode, **overrides: Any
     ) -> tuple[torch.Tensor, jagg.TrajectoryStats]:
@@ -198,18 +213,7 @@ def run_gradcheck(settings: GradcheckSettings) -> dict[str, Any]:
     if settings.window < 2:
         raise ValueError(f"window must be >= 2 to compare anything, got {settings.window}")
     problem = build_problem(settings)
-    probes = jagg.probe_windows(
-        problem.params,
-        problem.velocity,
-        problem.objective(),
-        problem.latents,
-        problem.sigmas,
-        problem.cond,
-        problem.steps,
-        window=settings.window,
-        weights=settings.weights,
-        no_interp=settings.no_interp,
-    )
+    probes = problem.probe()
     full, backward_calls = {}, {}
     for mode in jagg.GRAD_MODES:
         full[mode], stats = problem.gradient(mode)

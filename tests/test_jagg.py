@@ -34,9 +34,7 @@ def rel_err(a, b):
 @pytest.mark.parametrize("window", [3, 4, 5])
 def test_jagg_is_exact_for_affine_field_on_the_chord_with_time_weights(window):
     p = problem(backbone="affine", trajectory="chord", window=window)
-    probes = jagg.probe_windows(
-        p.params, p.velocity, p.objective(), p.latents, p.sigmas, p.cond, p.steps, window=window
-    )
+    probes = p.probe()
     assert len(probes) == -(-len(p.steps) // window)
     for probe in probes:
         assert probe.jagg.rel_err < 1e-10, probe
@@ -48,25 +46,13 @@ def test_jagg_is_exact_for_affine_field_on_the_chord_with_time_weights(window):
 
 def test_sde_noise_breaks_exactness_for_the_affine_field():
     p = problem(backbone="affine", trajectory="sde", window=4)
-    probes = jagg.probe_windows(
-        p.params, p.velocity, p.objective(), p.latents, p.sigmas, p.cond, p.steps, window=4
-    )
+    probes = p.probe()
     assert max(pr.jagg.rel_err for pr in probes) > 1e-6
 
 
 def test_index_weights_break_exactness_under_a_shifted_schedule():
     p = problem(backbone="affine", trajectory="chord", window=4, weights="index")
-    probes = jagg.probe_windows(
-        p.params,
-        p.velocity,
-        p.objective(),
-        p.latents,
-        p.sigmas,
-        p.cond,
-        p.steps,
-        window=4,
-        weights="index",
-    )
+    probes = p.probe()
     assert max(pr.jagg.rel_err for pr in probes) > 1e-6
     # ... while an unshifted (uniform) schedule makes index and time weights coincide.
     uniform = problem(backbone="affine", trajectory="chord", window=4, shift=1.0)
