@@ -30,13 +30,12 @@ from jagg_pipeline.backbones import BackboneSpec, backbone_class
 from jagg_pipeline.backbones.base import Backbone
 from jagg_pipeline.configtools import digest
 from jagg_pipeline.plots import save_curves, save_image_grid
+from jagg_pipeline.rewards import load_reward, parse_spec, to_unit_float
 from jagg_pipeline.rewards.base import to_uint8
 from jagg_pipeline.toyworld import data
-from jagg_pipeline.toyworld.attributes import score_attributes
 from jagg_pipeline.toyworld.clip import (
     ClipSettings,
     build_clip,
-    embed,
     retrieval_top1,
     save_clip,
     train_clip,
@@ -94,12 +93,6 @@ def sample_images(backbone: Backbone, captions: list[str], steps: int, seed: int
     return to_uint8(backbone.decode(trajectory.latents[:, -1]))
 
 
-@torch.no_grad()
-def _clip_score(clip: tuple[Any, Any], images: torch.Tensor, captions: list[str]) -> float:
-    image, text = embed(*clip, images, captions)
-    return float((100 * (image * text).sum(-1)).clamp(min=0).mean())
-
-
 def ensure_clip(out: Path, settings: ClipSettings, progress: bool = True) -> dict[str, Any]:
     """Train and save the toy CLIP into ``out/clip`` unless a build with these settings is there."""
     final = out / "clip"
@@ -143,11 +136,10 @@ def build_toyworld(
     """Build the CLIP (if needed) and the ``settings.family`` backbone; returns the report."""
     out = Path(out)
     clip_report = ensure_clip(out, settings.clip, progress)
-    from transformers import CLIPModel, CLIPProcessor
-
-    clip = (
-        CLIPModel.from_pretrained(out / "clip").eval(),
-        CLIPProcessor.from_pretrained(out / "clip"),
+    # The report scores with the registered rewards, the code path training and evaluation use.
+    attributes = load_reward("toy_attributes")
+    clip_score = load_reward(
+        "toy_clipscore", parse_spec("toy_clipscore", {"model": str(out / "clip")})
     )
 
     family = settings.family
@@ -161,9 +153,10 @@ def build_toyworld(
     real = torch.stack([data.render(data.parse_caption(c), gen) for c in captions])
 
     def measure(images: torch.Tensor) -> dict[str, float]:
+        pixels = to_unit_float(images)
         return {
-            "attribute_reward": float(score_attributes(images, captions).total.mean()),
-            "toy_clipscore": _clip_score(clip, images, captions),
+            "attribute_reward": float(attributes(pixels, captions).mean()),
+            "toy_clipscore": float(clip_score(pixels, captions).mean()),
         }
 
     eval_seed = settings.seed + 1000
