@@ -36,16 +36,16 @@ run: $(STAMP) $(TOYWORLD)/sd3/manifest.json
 	@echo "         $(RESULTS)/experiment (rounds per mode, eval/ metrics and grids)"
 
 lint: $(STAMP)
-	$(BIN)/ruff check jagg_pipeline tests
-	$(BIN)/ruff format --check jagg_pipeline tests
+	$(BIN)/ruff check jagg_pipeline tests benchmarks
+	$(BIN)/ruff format --check jagg_pipeline tests benchmarks
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 format: $(STAMP)
-	$(BIN)/ruff format jagg_pipeline tests
-	$(BIN)/ruff check --fix jagg_pipeline tests
+	$(BIN)/ruff format jagg_pipeline tests benchmarks
+	$(BIN)/ruff check --fix jagg_pipeline tests benchmarks
 
 clean:
 	rm -rf $(VENV) $(RESULTS) .pytest_cache .ruff_cache

@@ -42,9 +42,9 @@ class SamplerConfig:
     trained_fraction: float = field(
         1.0, help="'full' only: fraction of steps trained (the last step never is)"
     )
-    window_size: int = field(4, help="'window' only: consecutive SDE steps")
+    window_size: int = field(8, help="'window' only: consecutive SDE steps")
     window_start: list[int] = field(
-        default_factory=lambda: [0, 2],
+        default_factory=lambda: [0, 0],
         help="'window' only: inclusive [lo, hi] range of the window's random first step",
     )
 
@@ -115,8 +115,8 @@ class JaggConfig:
 class TrainConfig:
     """The optimiser and the round loop."""
 
-    rounds: int = field(100, help="training rounds (rollout -> score -> update)")
-    lr: float = field(5e-5, help="AdamW learning rate (the toy world rises at <= 5e-5)")
+    rounds: int = field(30, help="training rounds (rollout -> score -> update)")
+    lr: float = field(1e-4, help="AdamW learning rate (the toy world falls at 3e-4)")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
     weight_decay: float = field(0.0, help="AdamW weight decay")
     grad_clip: float = field(1.0, help="max global grad norm (0: off)")
@@ -149,7 +149,7 @@ class EvalConfig:
         default_factory=lambda: ["toy_attributes", "toy_clipscore"],
         help="reward names reported as metrics (their settings come from the rewards section)",
     )
-    every: int = field(25, help="evaluate every K rounds (and the last)")
+    every: int = field(10, help="evaluate every K rounds (and the last)")
 
 
 @dataclass

@@ -1,23 +1,31 @@
 """Rounds of rollout -> score -> train in one process: the pipeline's loop without Snakemake.
 
-For tests and notebooks (e.g. "does GRPO raise the toy world's reward?"): the same stage
-functions the commands run, chained through the same files, so what passes here passes in the
-workflow. Round ``r`` lives in ``workdir/round-<r>/`` (``rollout/``, ``scores.parquet``,
-``checkpoint/``).
+For tests, benchmarks and notebooks (e.g. "does GRPO raise the toy world's held-out reward?"):
+the same stage functions the commands run, chained through the same files, so what passes
+here passes in the workflow. Round ``r`` lives in ``workdir/round-<r>/`` (``rollout/``,
+``scores.parquet``, ``checkpoint/``). With ``evaluate_every`` the loop also runs the evaluate
+stage's protocol (``eval`` section: fixed prompts and seeds, ODE sampling) on the base policy
+and on the checkpoints it names, in memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 @dataclass
 class LoopRound:
-    """One round's files and the mean training reward of its rollout.
+    """One round: its files, the mean training reward of its rollout, and its timings.
 
-    ``checkpoint`` is None for the final rollout of the last policy (scored, not trained).
+    ``policy`` is what the rollout sampled from; ``checkpoint`` is None for the final rollout
+    of the last policy (scored, not trained). ``update_seconds`` sums the train stage's
+    forward / backward / optimizer seconds over the round's optimizer steps;
+    ``round_seconds`` is the wall time of rollout + score + train. ``evaluation`` holds the
+    mean of each ``eval.metrics`` reward for ``policy`` when this round was evaluated.
     """
 
     round: int
@@ -26,6 +34,9 @@ class LoopRound:
     scores: Path
     checkpoint: Path | None
     reward_mean: float
+    update_seconds: dict[str, float] = field(default_factory=dict)
+    round_seconds: float = 0.0
+    evaluation: dict[str, float] | None = None
 
 
 def _scored_rollout(
@@ -40,41 +51,77 @@ def _scored_rollout(
     return rollouts, scores, float(summary["total_mean"])
 
 
+def evaluate_policy(config: Any, policy: str | Path) -> dict[str, float]:
+    """The mean of every ``eval.metrics`` reward for ``policy`` under the evaluate protocol."""
+    from jagg_pipeline.evaluate import evaluate
+    from jagg_pipeline.policy import load_policy
+
+    backbone = load_policy(config, policy)
+    metrics = evaluate(config, backbone, progress=False).metrics()["metrics"]
+    return {name: values["mean"] for name, values in metrics.items()}
+
+
+def _update_seconds(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    parts = ("forward", "backward", "optimizer")
+    return {part: sum(row["time"][part] for row in metrics) for part in parts}
+
+
 def run_rounds(
     config: Any,
     workdir: str | Path,
     *,
-    rounds: int | None = None,
     prompts: str | Path = "toy:train",
     final_rollout: bool = True,
+    evaluate_every: int = 0,
+    on_round: Callable[[LoopRound], None] | None = None,
     progress: bool = False,
 ) -> list[LoopRound]:
-    """Train ``rounds`` rounds (default ``train.rounds``) from the base policy.
+    """Train ``train.rounds`` rounds from the base policy.
+
+    The round count comes from the config only: the train stage's LR schedule spans
+    ``train.rounds * train.minibatches`` optimizer steps, so a loop of another length would
+    decay it wrongly.
 
     Each round samples a rollout from the current policy, scores it and trains on it; the
     checkpoint becomes the next round's policy. ``final_rollout`` adds one more scored rollout
     of the last checkpoint, so ``result[0].reward_mean`` (base policy) and
     ``result[-1].reward_mean`` (trained policy) compare the same kind of sample.
+    ``evaluate_every`` K > 0 evaluates the policy of rounds 0, K, 2K, ... and of the last
+    round (its ``LoopRound.evaluation``); ``on_round`` sees each round as it completes.
     """
     from jagg_pipeline.train import train_round
 
     workdir = Path(workdir)
-    count = config.train.rounds if rounds is None else rounds
+    count = config.train.rounds
     policy = "base"
     results = []
+    last = count + int(final_rollout) - 1
     for round_index in range(count + int(final_rollout)):
         directory = workdir / f"round-{round_index:04d}"
         checkpoint = directory / "checkpoint"
+        start = time.perf_counter()
         rollouts, scores, reward = _scored_rollout(
             config, policy, prompts, directory, round_index, progress
         )
         trained = round_index < count
+        update: dict[str, float] = {}
         if trained:
-            train_round(config, policy, rollouts, scores, checkpoint, progress=progress)
-        results.append(
-            LoopRound(
-                round_index, policy, rollouts, scores, checkpoint if trained else None, reward
-            )
+            result = train_round(config, policy, rollouts, scores, checkpoint, progress=progress)
+            update = _update_seconds(result.metrics)
+        done = LoopRound(
+            round_index,
+            policy,
+            rollouts,
+            scores,
+            checkpoint if trained else None,
+            reward,
+            update,
+            time.perf_counter() - start,
         )
+        if evaluate_every > 0 and (round_index % evaluate_every == 0 or round_index == last):
+            done.evaluation = evaluate_policy(config, policy)
+        results.append(done)
+        if on_round is not None:
+            on_round(done)
         policy = str(checkpoint)
     return results

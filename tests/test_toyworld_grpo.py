@@ -1,6 +1,11 @@
-"""GRPO on the toy world raises the training reward, with the exact gradient and with JAGG."""
+"""GRPO on the default toy world raises the HELD-OUT reward, with the exact gradient and JAGG.
 
-import statistics
+The default experiment (package defaults) trains on the training captions and is evaluated on
+the held-out ones (``eval.prompts: toy:heldout``, ODE sampling, fixed seeds). The asserted rise
+is a third of the smallest rise measured (README, "The embedded toy world"), so float rounding
+on another machine or thread count cannot flip it.
+"""
+
 import subprocess
 import sys
 
@@ -11,61 +16,22 @@ from conftest import toy_experiment
 from jagg_pipeline.config import from_mapping
 from jagg_pipeline.loop import run_rounds
 
-ROUNDS = 12
+ROUNDS = 10
+# Measured rises after 10 rounds (seeds 0-2, 1 and 2 threads) are listed in the README; the
+# smallest is about 3x this.
+MIN_RISE = 0.02
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    """Two fixed captions, so a dozen rounds concentrate on what they ask for."""
-    path = tmp_path_factory.mktemp("grpo") / "prompts.txt"
-    path.write_text(
-        "a red circle on the left, white background\na blue square at the top, black background\n"
-    )
-    return path
-
-
-def config(world, **sections):
-    small = {
-        # Noise on the first 4 of 10 steps only (the rest ODE): where GRPO helps the toy world.
-        "sampler": {
-            "group_size": 8,
-            "prompts_per_round": 2,
-            "batch_size": 16,
-            "window_size": 4,
-            "window_start": [0, 0],
-        },
-        "grpo": {"clip_range": 1e-3},
-        "train": {"lr": 3e-4},
-    }
-    for name, values in sections.items():
-        small.setdefault(name, {}).update(values)
-    return from_mapping(toy_experiment(world, **small))
-
-
-@pytest.fixture(scope="module")
-def base_spread(toy_world, prompts, tmp_path_factory):
-    """Mean and seed-to-seed std of the base policy's mean training reward."""
-    work = tmp_path_factory.mktemp("spread")
-    means = [
-        run_rounds(config(toy_world, train={"seed": s}), work / str(s), rounds=0, prompts=prompts)[
-            0
-        ].reward_mean
-        for s in range(4)
-    ]
-    return statistics.mean(means), statistics.stdev(means)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "jagg"])
-def test_a_dozen_rounds_raise_the_reward_beyond_the_base_spread(
-    toy_world, prompts, base_spread, mode, tmp_path
-):
-    base_mean, base_std = base_spread
-    rounds = run_rounds(
-        config(toy_world, jagg={"mode": mode}), tmp_path, rounds=ROUNDS, prompts=prompts
-    )
-    late = statistics.mean(r.reward_mean for r in rounds[ROUNDS // 2 :])
-    assert base_std > 0
-    assert late - base_mean > base_std, (mode, base_mean, base_std, [r.reward_mean for r in rounds])
+def test_ten_rounds_raise_the_held_out_reward_and_keep_the_clip_score(toy_world, mode, tmp_path):
+    config = from_mapping(toy_experiment(toy_world, jagg={"mode": mode}, train={"rounds": ROUNDS}))
+    rounds = run_rounds(config, tmp_path, evaluate_every=ROUNDS)
+    base, final = rounds[0].evaluation, rounds[-1].evaluation
+    rise = final["toy_attributes"] - base["toy_attributes"]
+    assert rise > MIN_RISE, (mode, base, final)
+    # A reward that is being hacked shows as a falling second metric.
+    assert final["toy_clipscore"] > base["toy_clipscore"] - 3.0, (mode, base, final)
 
 
 def test_stage_commands_load_the_toy_checkpoint_in_a_fresh_process(toy_world, tmp_path):
@@ -81,3 +47,4 @@ def test_stage_commands_load_the_toy_checkpoint_in_a_fresh_process(toy_world, tm
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "rollout" / "manifest.json").is_file()

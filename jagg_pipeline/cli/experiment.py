@@ -76,6 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     for mode in args.modes:
         data = to_dict(base)
         data["jagg"]["mode"] = mode
+        # The train stage's LR schedule spans train.rounds: it must be the count run here.
+        data["train"]["rounds"] = args.rounds
         config = out / mode / "config.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -2,8 +2,12 @@
 
 The truth comes from the caption (:func:`jagg_pipeline.toyworld.data.parse_caption`) and the
 renderer's own geometry (:func:`jagg_pipeline.toyworld.data.shape_mask`). Three parts, each in
-[0, 1], combined multiplicatively so that no part can be traded for another (an additive
-version was gamed by big filled blocks, DESIGN section 6):
+[0, 1], combined by their geometric mean, (background x overlap x shape)^(1/3): a zero in any
+part zeros the total, so no part can be traded for another (an additive version was gamed by
+big filled blocks, DESIGN section 6). The cube root is a monotone map of the plain product (it
+ranks every set of samples the same way) that gives graded credit: a policy whose three parts
+are each about 0.5 scores about 0.5, not 0.125, so a group's samples differ visibly and the
+GRPO signal does not vanish near zero.
 
 - background: soft colour match of the pixels away from the object with the background colour;
 - overlap: soft IoU of the object-colour map with the true shape mask at the true position;
@@ -35,7 +39,7 @@ BACKGROUND_MARGIN = 2
 
 @dataclass
 class AttributeScores:
-    """Per-image parts and their product, each a float32 tensor [B] in [0, 1]."""
+    """Per-image parts and their geometric mean, each a float32 tensor [B] in [0, 1]."""
 
     background: torch.Tensor
     overlap: torch.Tensor
@@ -110,4 +114,5 @@ def score_attributes(images: torch.Tensor, captions: Sequence[str]) -> Attribute
         overlap.append(soft_iou(obj_match[i : i + 1], true_mask)[0])
         shape.append(_shape_term(obj_match[i : i + 1], a.shape, a.position, size)[0])
     parts = [torch.stack(p).to(torch.float32) for p in (background, overlap, shape)]
-    return AttributeScores(*parts, total=parts[0] * parts[1] * parts[2])
+    total = (parts[0] * parts[1] * parts[2]).clamp_min(0.0) ** (1.0 / 3.0)
+    return AttributeScores(*parts, total=total)
