@@ -1,8 +1,9 @@
 """The experiment configuration: one typed dataclass per section, loaded strictly from YAML.
 
 Sections: ``backbone`` (:class:`~jagg_pipeline.backbones.base.BackboneSpec`), ``sampler``,
-``grpo``, ``jagg``, ``rewards`` (:data:`~jagg_pipeline.rewards.registry.RewardsSpec`, one
-field per registered reward), ``train``, ``eval``, ``tracking``. The JSON Schema that
+``advantage`` (read by the score stage only), ``grpo`` (the train stage's loss), ``jagg``,
+``rewards`` (:data:`~jagg_pipeline.rewards.registry.RewardsSpec`, one field per registered
+reward), ``train``, ``eval``, ``tracking``. The JSON Schema that
 Snakemake validates config.yaml against is derived from these classes
 (``python -m jagg_pipeline config schema``), so the two cannot drift apart. Defaults describe
 the embedded toy world (DESIGN section 6). Knows nothing of torch beyond the section types.
@@ -64,15 +65,21 @@ class SamplerConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """Advantages and the clipped policy objective."""
+class AdvantageConfig:
+    """How the score stage turns rewards into GRPO advantages (train reads them from its table)."""
 
-    clip_range: float = field(1e-4, help="PPO ratio clip e (1e-4 full trajectories, 1e-5 windows)")
-    adv_clip: float = field(5.0, help="advantages are clipped to +-adv_clip")
     std_mode: Literal["group", "global"] = field(
         "group", help="normalise advantages by each group's std or the batch's"
     )
     eps: float = field(1e-4, help="added to the std before dividing")
+    clip: float = field(5.0, help="advantages are clipped to +-clip")
+
+
+@dataclass
+class GRPOConfig:
+    """The clipped policy objective of the train stage."""
+
+    clip_range: float = field(1e-4, help="PPO ratio clip e (1e-4 full trajectories, 1e-5 windows)")
     kl_beta: float = field(0.0, help="weight of the KL to the frozen reference policy (0: off)")
 
 
@@ -178,7 +185,10 @@ class ExperimentConfig:
         help="the DiT checkpoint and how to drive it",
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, help="rollout sampling")
-    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="advantages and loss")
+    advantage: AdvantageConfig = field(
+        default_factory=AdvantageConfig, help="group advantages (score stage)"
+    )
+    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="policy loss (train stage)")
     jagg: JaggConfig = field(default_factory=JaggConfig, help="gradient engine and routing")
     rewards: RewardsSpec = field(
         default_factory=lambda: RewardsSpec(weights={"toy_attributes": 1.0}),
@@ -209,6 +219,7 @@ def schema() -> dict:
 
 
 __all__ = [
+    "AdvantageConfig",
     "ConfigError",
     "EvalConfig",
     "ExperimentConfig",

@@ -7,7 +7,9 @@ Owns the per-sample score table that the training stage reads: one row per sampl
 :func:`~jagg_pipeline.tables.write_table` (parquet by default), with ``FILE.summary.json``
 (reward means, zero-std groups), ``FILE.config.yaml`` and ``FILE.manifest.json`` (stage
 ``score``, input ``rollouts``) beside it. Rewards score the rollout's stored uint8 images;
-the advantage follows ``grpo`` (std mode, eps, clip) and ``rewards.normalize_separately``.
+the advantage follows the ``advantage`` section (std mode, eps, clip) and
+``rewards.normalize_separately``. The stage reads the ``rewards`` and ``advantage`` sections
+(:data:`SECTIONS`): the train stage checks exactly these against its own config.
 The folder-of-images mode of the ``score`` command lives in :mod:`jagg_pipeline.cli.score`.
 """
 
@@ -29,6 +31,8 @@ from jagg_pipeline.tables import write_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
 STAGE = "score"
+# The config sections the score stage reads; its consumers check exactly these.
+SECTIONS = ("rewards", "advantage")
 
 
 @dataclass
@@ -61,11 +65,11 @@ def reward_columns(
 
 
 def score_rollout(
-    batch: TrajectoryBatch, reward: MultiReward, grpo: Any, chunk: int = 32
+    batch: TrajectoryBatch, reward: MultiReward, advantage: Any, chunk: int = 32
 ) -> Scores:
     """Score ``batch.images`` against their prompts, ``chunk`` images at a time.
 
-    ``grpo`` is the config section whose std mode, eps and clip give the group statistics.
+    ``advantage`` is the config section whose std mode, eps and clip give the group statistics.
     """
     if batch.images is None:
         raise ValueError("the rollout holds no images to score")
@@ -73,7 +77,11 @@ def score_rollout(
     columns = reward_columns(reward.rewards, batch.images, prompts, chunk)
     result = reward.combine(columns, batch.group_ids)
     stats = group_advantages(
-        result.total, batch.group_ids, std_mode=grpo.std_mode, eps=grpo.eps, clip=grpo.adv_clip
+        result.total,
+        batch.group_ids,
+        std_mode=advantage.std_mode,
+        eps=advantage.eps,
+        clip=advantage.clip,
     )
     rows = [
         {
@@ -119,11 +127,11 @@ def run_score(
     reward = MultiReward.from_spec(
         config.rewards,
         device,
-        std_mode=config.grpo.std_mode,
-        eps=config.grpo.eps,
-        clip=config.grpo.adv_clip,
+        std_mode=config.advantage.std_mode,
+        eps=config.advantage.eps,
+        clip=config.advantage.clip,
     )
-    scores = score_rollout(batch, reward, config.grpo, chunk)
+    scores = score_rollout(batch, reward, config.advantage, chunk)
     begin_output(out)
     write_table(out, scores.rows)
     atomic_write_json(summary_path(out), scores.summary)

@@ -136,8 +136,12 @@ def _per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor
 
 
 def sigma_batch(sigmas: torch.Tensor, index: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """The [B] sigma fed to the velocity at step ``index``: sampling and training share it."""
-    return sigmas[index].expand(batch).to(dtype)
+    """The [B] sigma fed to the velocity at step ``index``: sampling and training share it.
+
+    Kept in the step's compute dtype (float32 for bf16 latents): each backbone rounds its
+    timestep the way its own pipeline does (DESIGN 8.8), which a bf16 sigma would pre-empt.
+    """
+    return sigmas[index].expand(batch).to(compute_dtype(dtype))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -176,10 +180,13 @@ def step(
         x0_hat = xf - s * vf
         std = s_next * math.sin(a * math.pi / 2.0)
         mean = (1.0 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
+    elif coeffs.kind == "ode":
+        # The schedulers' Euler update: dt * v in the velocity's dtype, added in float32, so
+        # that ODE sampling in bf16 stays on the pipelines' numbers (DESIGN 8.8).
+        mean = xf + (dt.to(v.dtype) * v).to(cdt)
+        std = torch.zeros_like(s)
     else:
-        if coeffs.kind == "ode":
-            g = torch.zeros_like(s)
-        elif coeffs.kind == "dance_grpo":
+        if coeffs.kind == "dance_grpo":
             g = torch.full_like(s, a)
         else:
             after_one = s_next if sigma_after_one is None else _per_sample(sigma_after_one, xf)

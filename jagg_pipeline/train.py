@@ -47,6 +47,7 @@ from jagg_pipeline import checkpoint as ckpt
 from jagg_pipeline import distributed, jagg
 from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
 from jagg_pipeline.objective import GRPOStepLoss
+from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
 from jagg_pipeline.tables import read_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
@@ -131,7 +132,7 @@ def load_round_data(
     """Read and cross-check a round's inputs; errors name the file that does not fit."""
     rollouts, rewards = Path(rollouts), Path(rewards)
     made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
-    scored = check_input(rewards, stage="score", config=config, sections=["rewards"])
+    scored = check_input(rewards, stage="score", config=config, sections=list(SCORE_SECTIONS))
     check_derived_from(rewards, scored, "rollouts", rollouts)
     _check_policy_source(rollouts, made, policy)
     batch = load_rollout(rollouts)

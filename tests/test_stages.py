@@ -159,7 +159,7 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     assert [r["sample"] for r in rows] == list(range(6))
     expected = jpeg_compressibility(95, to_unit_float(batch.images), batch.prompts)
     assert [r["jpeg_compressibility"] for r in rows] == pytest.approx(expected.tolist())
-    stats = group_advantages(expected, batch.group_ids, eps=config.grpo.eps, clip=5.0)
+    stats = group_advantages(expected, batch.group_ids, eps=config.advantage.eps, clip=5.0)
     assert [r["advantage"] for r in rows] == pytest.approx(stats.values.tolist(), abs=1e-6)
     assert [r["group_std"] for r in rows] == pytest.approx(stats.group_std.tolist(), abs=1e-6)
     summary = json.loads((tmp_path / "scores.parquet.summary.json").read_text())

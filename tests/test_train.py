@@ -247,6 +247,18 @@ def test_inputs_that_do_not_fit_are_refused_naming_the_file(tiny_sd3, base_rollo
         ManifestError, match=f"{re.escape(str(rollouts))}: .*different config section sampler"
     ):
         load_round_data(other_sampler, "base", rollouts, table)
+    # Advantages computed under other settings than the trainer's config names.
+    for section, values in [
+        ("advantage", {"eps": 0.5}),
+        ("rewards", {"normalize_separately": True}),
+    ]:
+        other = make_config(tiny_sd3, **{section: values})
+        with pytest.raises(
+            ManifestError, match=f"{re.escape(str(table))}: .*different config section {section}"
+        ):
+            load_round_data(other, "base", rollouts, table)
+    # ... but a loss setting the score stage never read does not refuse its table.
+    load_round_data(make_config(tiny_sd3, grpo={"clip_range": 0.5}), "base", rollouts, table)
     # A score table of other rollouts (another round of the same policy).
     other_rollouts, other_table = scored_rollout(config, tmp_path / "r1", round_index=1)
     with pytest.raises(

@@ -81,7 +81,7 @@ def _epilog() -> str:
         "scores a rollout directory's images with the config's rewards (--set still sets a",
         "reward setting) and writes one row per sample in rollout order with columns",
         "  sample, prompt_id, group, <reward>..., total, advantage, group_mean, group_std",
-        "(advantage per the grpo section: std_mode, eps, adv_clip), plus OUT.summary.json",
+        "(advantage per the advantage section: std_mode, eps, clip), plus OUT.summary.json",
         "(reward means, zero-std groups), OUT.config.yaml (resolved config) and",
         "OUT.manifest.json (stage score, input rollouts). Rollouts sampled under another",
         "backbone or sampler section are refused, naming the file.",
@@ -152,7 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--config",
         type=Path,
         metavar="FILE",
-        help="experiment config (YAML) whose rewards and grpo sections score the rollout",
+        help="experiment config (YAML) whose rewards and advantage sections score the rollout",
     )
     rewards = p.add_argument_group("rewards (folder mode; --set in both)")
     rewards.add_argument(
