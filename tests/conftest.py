@@ -28,7 +28,8 @@ def float64():
 @pytest.fixture(scope="session")
 def toy_world(tmp_path_factory):
     """(directory, report) of the default toy world, built once per test session."""
-    from jagg_pipeline.toyworld.build import BuildSettings, build_toyworld
+    from jagg_pipeline.toyworld.build import build_toyworld
+    from jagg_pipeline.toyworld.settings import BuildSettings
 
     out = tmp_path_factory.mktemp("toy-world")
     return out, build_toyworld(out, BuildSettings(), progress=False)

@@ -9,10 +9,14 @@ from safetensors.torch import load_file
 from jagg_pipeline.backbones import BackboneSpec, load_backbone
 from jagg_pipeline.rewards import load_reward, parse_spec
 from jagg_pipeline.toyworld import data
-from jagg_pipeline.toyworld.build import BuildSettings, build_toyworld, sample_images
-from jagg_pipeline.toyworld.clip import ClipSettings
-from jagg_pipeline.toyworld.models import TOY_FAMILIES, toy_backbone_options
-from jagg_pipeline.toyworld.pretrain import PretrainSettings
+from jagg_pipeline.toyworld.build import build_toyworld, sample_images
+from jagg_pipeline.toyworld.models import toy_backbone_options
+from jagg_pipeline.toyworld.settings import (
+    TOY_FAMILIES,
+    BuildSettings,
+    ClipSettings,
+    PretrainSettings,
+)
 from jagg_pipeline.toyworld.text import vocabulary, word_tokenizer
 
 

@@ -1,6 +1,9 @@
 """``python -m jagg_pipeline <command>``: the only layer that knows about paths and arguments.
 
-One module per command; each exposes ``register(subparsers)`` and sets ``handler``.
+One module per command; each exposes ``HELP`` (its one-line summary), ``register(subparsers)``
+and sets ``handler``. Only the command being run is registered in full: a command's
+arguments may need heavy imports for their defaults and choices (torch, diffusers), and every
+Snakemake job pays start-up once per stage per round.
 """
 
 from __future__ import annotations
@@ -23,20 +26,37 @@ from jagg_pipeline.cli import (
 COMMANDS = (config, gradcheck, toyworld, rollout, score, train, evaluate, experiment)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subcommand per command module."""
+def _name(command: object) -> str:
+    return command.__name__.rsplit(".", 1)[-1]
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; ``command`` (None: every one) is registered with its arguments.
+
+    The others are listed with their summary only, so that ``--help`` imports nothing heavy.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jagg_pipeline",
         description="GRPO for text-to-image diffusion transformers with JAGG.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(sub)
+    for module in COMMANDS:
+        if command is None or _name(module) == command:
+            module.register(sub)
+        else:
+            sub.add_parser(_name(module), help=module.HELP)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {_name(module) for module in COMMANDS}
+    # The command is the first word that is not an option (the top level has no valued ones).
+    chosen = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser(chosen if chosen in names else "")
+    args = parser.parse_args(argv)
     return args.handler(args)

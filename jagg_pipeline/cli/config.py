@@ -7,12 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "print the resolved experiment config (YAML) or its JSON Schema"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``config`` subcommand."""
     p = sub.add_parser(
         "config",
-        help="print the resolved experiment config (YAML) or its JSON Schema",
+        help=HELP,
         description=(
             "'show' prints the experiment config with every default filled, after reading "
             "--config (if given) and applying --set overrides; unknown keys and wrong types "

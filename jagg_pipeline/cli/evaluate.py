@@ -14,12 +14,15 @@ from jagg_pipeline.cli.rollout import (
     stage_errors,
 )
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "evaluate a policy: fixed seeds, ODE sampling, metrics.json and an image grid"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``evaluate`` subcommand."""
     p = sub.add_parser(
         "evaluate",
-        help="evaluate a policy: fixed seeds, ODE sampling, metrics.json and an image grid",
+        help=HELP,
         description=textwrap.dedent(
             """\
             Sample eval.samples_per_prompt images for each of the first eval.max_prompts

@@ -21,11 +21,15 @@ from jagg_pipeline.cli.rollout import add_config_arguments
 MODES = ("exact", "jagg", "no_interp")
 
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "run rollout -> score -> train rounds per gradient mode, then evaluate (toy default)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``experiment`` subcommand."""
     p = sub.add_parser(
         "experiment",
-        help="run rollout -> score -> train rounds per gradient mode, then evaluate (toy default)",
+        help=HELP,
         description=(
             "Runs the default experiment through the stage commands, one process each: for "
             "every --modes entry, --rounds rounds of rollout -> score -> train starting from "

@@ -19,6 +19,10 @@ def _window(text: str) -> int:
     return value
 
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "compare JAGG and no-interp gradients with the exact GRPO gradient, per window"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``gradcheck`` subcommand."""
     from jagg_pipeline.gradcheck import BACKBONES, DTYPES, TRAJECTORIES, GradcheckSettings
@@ -26,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     defaults = GradcheckSettings()
     p = sub.add_parser(
         "gradcheck",
-        help="compare JAGG and no-interp gradients with the exact GRPO gradient, per window",
+        help=HELP,
         description=(
             "Build a trajectory batch on a backbone, a GRPO objective on it, and report for each "
             "window of trained steps the cosine similarity and relative error of the jagg and "

@@ -67,11 +67,15 @@ def stage_errors() -> Iterator[None]:
         raise SystemExit(f"error: {err}") from None
 
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "sample G images per prompt with the configured SDE into a rollout directory"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``rollout`` subcommand."""
     p = sub.add_parser(
         "rollout",
-        help="sample G images per prompt with the configured SDE into a rollout directory",
+        help=HELP,
         description=textwrap.dedent(
             """\
             Sample sampler.group_size images for each of sampler.prompts_per_round prompts

@@ -46,6 +46,15 @@ def _set_flag(text: str) -> tuple[str, str, Any]:
     return name, field, yaml.safe_load(value)
 
 
+class _HelpWithRewards(argparse.Action):
+    """``--help`` that lists the rewards: their registry imports torch, so only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        parser.epilog = _epilog()
+        parser.print_help()
+        parser.exit()
+
+
 def _epilog() -> str:
     from jagg_pipeline.rewards import REWARDS
 
@@ -89,11 +98,15 @@ def _epilog() -> str:
     return "\n".join(lines)
 
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "score images against prompts with HPSv2.1, PickScore, CLIPScore, ... into a table"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``score`` subcommand."""
     p = sub.add_parser(
         "score",
-        help="score images against prompts with HPSv2.1, PickScore, CLIPScore, ... into a table",
+        help=HELP,
         description=textwrap.dedent(
             """\
             Score a folder of images against their prompts with one or more rewards and write
@@ -103,8 +116,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             fine (they are batched by size). Or score a rollout directory with the rewards of
             an experiment config (--rollouts, --config): see the end of this help."""
         ),
-        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    p.add_argument(
+        "-h",
+        "--help",
+        action=_HelpWithRewards,
+        nargs=0,
+        help="show this help, with every registered reward and its settings, and exit",
     )
     inputs = p.add_argument_group("inputs (folder mode)")
     inputs.add_argument(

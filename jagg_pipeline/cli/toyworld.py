@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "build the embedded toy world: a pretrained toy DiT, the toy CLIP, a report"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``toyworld`` subcommand."""
-    from jagg_pipeline.toyworld.build import BuildSettings
-    from jagg_pipeline.toyworld.models import TOY_FAMILIES
+    from jagg_pipeline.toyworld.settings import TOY_FAMILIES, BuildSettings
 
     defaults = BuildSettings()
     p = sub.add_parser(
         "toyworld",
-        help="build the embedded toy world: a pretrained toy DiT, the toy CLIP, a report",
+        help=HELP,
         description=(
             "Pretrains a toy backbone (the real diffusers transformer class of the family in a "
             "tiny config, with word-level text encoders and a lossless pixel-unshuffle codec as "
@@ -54,7 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from jagg_pipeline.toyworld.build import BuildSettings, build_toyworld
+    from jagg_pipeline.toyworld.build import build_toyworld
+    from jagg_pipeline.toyworld.settings import BuildSettings
 
     torch.set_num_threads(1)
     defaults = BuildSettings()

@@ -13,12 +13,15 @@ from jagg_pipeline.cli.rollout import (
     stage_errors,
 )
 
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "train one GRPO round (exact / jagg / no_interp gradients) into a checkpoint"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand."""
     p = sub.add_parser(
         "train",
-        help="train one GRPO round (exact / jagg / no_interp gradients) into a checkpoint",
+        help=HELP,
         description=textwrap.dedent(
             """\
             Train one round on a scored rollout: the rollout's micro-batches are shuffled and

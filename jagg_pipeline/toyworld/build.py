@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +33,14 @@ from jagg_pipeline.rewards import load_reward, parse_spec, to_unit_float
 from jagg_pipeline.rewards.base import to_uint8
 from jagg_pipeline.toyworld import data
 from jagg_pipeline.toyworld.clip import (
-    ClipSettings,
     build_clip,
     retrieval_top1,
     save_clip,
     train_clip,
 )
 from jagg_pipeline.toyworld.models import build_toy_pipeline, toy_backbone_options
-from jagg_pipeline.toyworld.pretrain import PretrainSettings, pretrain
-
-
-@dataclass
-class BuildSettings:
-    """What to build and how long to train it."""
-
-    family: str = "sd3"
-    seed: int = 0
-    pretrain: PretrainSettings = field(default_factory=PretrainSettings)
-    clip: ClipSettings = field(default_factory=ClipSettings)
-    eval_steps: int = 20
-    eval_per_caption: int = 2
+from jagg_pipeline.toyworld.pretrain import pretrain
+from jagg_pipeline.toyworld.settings import BuildSettings, ClipSettings
 
 
 def _bar(total: int, description: str, enabled: bool) -> Any:

@@ -19,22 +19,11 @@ import torch
 from torch import nn
 
 from jagg_pipeline.toyworld import data
+from jagg_pipeline.toyworld.settings import ClipSettings
 from jagg_pipeline.toyworld.text import word_tokenizer
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-@dataclass
-class ClipSettings:
-    """Size and budget of the toy CLIP: 150k parameters, ~55 s, top-1 0.965 among 16 captions."""
-
-    steps: int = 500
-    batch: int = 64
-    lr: float = 1e-3
-    width: int = 64
-    layers: int = 2
-    seed: int = 0
 
 
 @dataclass

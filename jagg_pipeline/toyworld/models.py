@@ -23,9 +23,9 @@ from jagg_pipeline.backbones.tiny import (
 )
 from jagg_pipeline.toyworld.codec import PixelShuffleCodec
 from jagg_pipeline.toyworld.data import IMAGE_SIZE
+from jagg_pipeline.toyworld.settings import TOY_FAMILIES
 from jagg_pipeline.toyworld.text import MAX_LENGTH, word_tokenizer
 
-TOY_FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage")
 LATENT_CHANNELS = 12  # 3 colour channels x 2 x 2 pixels
 LATENT_SIZE = IMAGE_SIZE // 2
 TEXT_WIDTH = 64  # every text encoder's width; also the transformers' joint attention width

@@ -19,25 +19,7 @@ from torch import nn
 from jagg_pipeline.backbones.base import Backbone, pack_latents
 from jagg_pipeline.toyworld import data
 from jagg_pipeline.toyworld.codec import to_unit_range
-
-
-@dataclass
-class PretrainSettings:
-    """Budget and optimiser of one backbone's pretraining (DESIGN section 6 calibration).
-
-    Objects appear suddenly, after 800-1200 steps, and step count matters more than batch size
-    (SD3 toy, one thread, measured 2026-12-01: 1600 x 24 reached held-out attribute reward
-    0.41 and 0.66 for seeds 0 and 1; 1200 x 48, the former default, 0.41 in 300-450 s). The
-    defaults, 1800 x 16, take ~250 s and give 0.38 for seed 0: the build fits 6 minutes.
-    """
-
-    steps: int = 1800
-    batch: int = 16
-    lr: float = 2e-3
-    warmup: int = 100
-    ema_decay: float = 0.995
-    caption_dropout: float = 0.1
-    seed: int = 0
+from jagg_pipeline.toyworld.settings import PretrainSettings
 
 
 @dataclass
