@@ -36,14 +36,9 @@ def test_rollout_score_evaluate_on_the_toy_world_from_the_cli(toy_world, tmp_pat
         tmp_path / "eval",
     )
     base = ["--config", str(config)]
-    assert (
-        main(
-            ["rollout", *base, "--policy", "base", "--prompts", "toy:train", "--out", str(rollout)]
-        )
-        == 0
-    )
-    assert main(["score", *base, "--rollouts", str(rollout), "--out", str(scores)]) == 0
-    assert main(["evaluate", *base, "--policy", "base", "--out", str(evaluation)]) == 0
+    main(["rollout", *base, "--policy", "base", "--prompts", "toy:train", "--out", str(rollout)])
+    main(["score", *base, "--rollouts", str(rollout), "--out", str(scores)])
+    main(["evaluate", *base, "--policy", "base", "--out", str(evaluation)])
 
     table = pq.read_table(scores).to_pylist()
     assert len(table) == 8 and all(0.0 <= row["toy_attributes"] <= 1.0 for row in table)
