@@ -250,6 +250,75 @@ class TrajectoryStats:
         return sum(w.network_calls for w in self.windows)
 
 
+@dataclass
+class MicroBatch:
+    """Trajectories of one micro-batch and their per-step loss, on the network's device."""
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    cond: Any
+    objective: StepLoss
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+
+def accumulate_gradient(
+    velocity: Velocity,
+    micro_batches: Sequence[MicroBatch],
+    windows: Sequence[Sequence[int]],
+    routed: Sequence[bool],
+    mode: GradMode,
+    set_sync: Callable[[bool], None] | None = None,
+    **engine_options: Any,
+) -> list[list[WindowStats]]:
+    """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
+
+    THE accumulation loop: training and the gradient diagnostic both run it, so the backward
+    calls they report are the same thing. Windows with ``routed`` True use ``mode``, the others
+    are exact. Backward calls are grouped into units: one per approximated window (a single
+    backward call over both endpoints) and one per step of an exact window (an exact window IS
+    W single-step backward calls, so splitting it computes exactly the same thing).
+    ``set_sync(on)`` (FSDP2's gradient sync) is called before each unit with on for the last
+    unit only: FSDP2 then accumulates the unsharded gradients locally and reduces each
+    parameter group ONCE per optimizer step instead of once per backward call (fewer
+    collectives, at the memory cost of holding the unsharded gradients of the step).
+    """
+    if len(routed) != len(windows):
+        raise ValueError(f"routing has {len(routed)} entries for {len(windows)} windows")
+    units = []
+    for m in range(len(micro_batches)):
+        for w, (chunk, approx) in enumerate(zip(windows, routed, strict=True)):
+            if approx and mode != "exact":
+                units.append((m, w, list(chunk), mode))
+            else:
+                units.extend((m, w, [k], "exact") for k in chunk)
+    stats = [[WindowStats(steps=list(c), mode="exact") for c in windows] for _ in micro_batches]
+    for index, (m, w, steps, unit_mode) in enumerate(units):
+        if set_sync is not None:
+            set_sync(index == len(units) - 1)
+        part = micro_batches[m]
+        result = window_gradient(
+            velocity,
+            part.objective,
+            part.latents,
+            part.sigmas,
+            part.cond,
+            steps,
+            unit_mode,
+            **engine_options,
+        )
+        merged = stats[m][w]
+        if len(steps) > 1:
+            merged.mode = result.mode
+        merged.loss += result.loss
+        merged.forward_rows += result.forward_rows
+        merged.network_calls += result.network_calls
+        merged.backward_calls += result.backward_calls
+    return stats
+
+
 def trajectory_gradient(
     velocity: Velocity,
     step_loss: StepLoss,
@@ -266,33 +335,26 @@ def trajectory_gradient(
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
 ) -> TrajectoryStats:
-    """Accumulate the gradient over all trained ``steps``, windowed and routed.
+    """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
-    Windows routed by ``jagg_frac`` (or an explicit per-window ``routing``) use ``mode``; the
-    others are exact. With ``mode="exact"`` every window is exact whatever the routing.
+    :func:`accumulate_gradient` on a single micro-batch: windows routed by ``jagg_frac`` (or
+    an explicit per-window ``routing``) use ``mode``; the others are exact. With
+    ``mode="exact"`` every window is exact whatever the routing.
     """
     windows = split_windows(steps, window)
     if routing is None:
         routing = route_windows(len(windows), jagg_frac)
-    if len(routing) != len(windows):
-        raise ValueError(f"routing has {len(routing)} entries for {len(windows)} windows")
-    stats = TrajectoryStats()
-    for chunk, routed in zip(windows, routing, strict=True):
-        stats.windows.append(
-            window_gradient(
-                velocity,
-                step_loss,
-                latents,
-                sigmas,
-                cond,
-                chunk,
-                mode if routed else "exact",
-                weights=weights,
-                no_interp=no_interp,
-                stack_forwards=stack_forwards,
-            )
-        )
-    return stats
+    (stats,) = accumulate_gradient(
+        velocity,
+        [MicroBatch(latents, sigmas, cond, step_loss)],
+        windows,
+        routing,
+        mode,
+        weights=weights,
+        no_interp=no_interp,
+        stack_forwards=stack_forwards,
+    )
+    return TrajectoryStats(windows=stats)
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,77 +260,6 @@ def decide_routing(
 
 
 # --------------------------------------------------------------------------------------------
-# Gradient accumulation
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch on the training device with its GRPO objective."""
-
-    latents: torch.Tensor
-    sigmas: torch.Tensor
-    cond: dict[str, torch.Tensor]
-    objective: GRPOStepLoss
-
-    @property
-    def size(self) -> int:
-        return self.latents.shape[0]
-
-
-def accumulate_gradient(
-    velocity: Callable[..., torch.Tensor],
-    micro_batches: Sequence[MicroBatch],
-    windows: Sequence[Sequence[int]],
-    routed: Sequence[bool],
-    mode: str,
-    set_sync: Callable[[bool], None],
-    **engine_options: Any,
-) -> list[list[jagg.WindowStats]]:
-    """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
-
-    Backward calls are grouped into units: one per approximated window (a single backward
-    call over both endpoints) and one per step of an exact window (an exact window IS W
-    single-step backward calls, so splitting it computes exactly the same thing). Gradient
-    sync (the reduce-scatter) is on for the last unit only: FSDP2 accumulates the unsharded
-    gradients locally until then, so each parameter group is reduced ONCE per optimizer step
-    instead of once per backward call (fewer collectives, at the memory cost of holding the
-    unsharded gradients of the step).
-    """
-    units = []
-    for m in range(len(micro_batches)):
-        for w, (chunk, approx) in enumerate(zip(windows, routed, strict=True)):
-            if approx and mode != "exact":
-                units.append((m, w, list(chunk), mode))
-            else:
-                units.extend((m, w, [k], "exact") for k in chunk)
-    stats = [
-        [jagg.WindowStats(steps=list(c), mode="exact") for c in windows] for _ in micro_batches
-    ]
-    for index, (m, w, steps, unit_mode) in enumerate(units):
-        set_sync(index == len(units) - 1)
-        part = micro_batches[m]
-        result = jagg.window_gradient(
-            velocity,
-            part.objective,
-            part.latents,
-            part.sigmas,
-            part.cond,
-            steps,
-            unit_mode,
-            **engine_options,
-        )
-        merged = stats[m][w]
-        if len(steps) > 1:
-            merged.mode = result.mode
-        merged.loss += result.loss
-        merged.forward_rows += result.forward_rows
-        merged.network_calls += result.network_calls
-        merged.backward_calls += result.backward_calls
-    return stats
-
-
-# --------------------------------------------------------------------------------------------
 # Optimizer pieces
 # --------------------------------------------------------------------------------------------
 
@@ -522,7 +451,7 @@ class _Trainer:
 
     def micro_batch(
         self, data: RoundData, indices: Sequence[int], normalizer: float | None
-    ) -> MicroBatch:
+    ) -> jagg.MicroBatch:
         """The samples ``indices`` on this rank's device with their GRPO objective.
 
         ``normalizer``: what the summed step losses are divided by (None: this batch's
@@ -548,7 +477,7 @@ class _Trainer:
             reference=self.reference,
             cond=cond,
         )
-        return MicroBatch(latents, sigmas, cond, objective)
+        return jagg.MicroBatch(latents, sigmas, cond, objective)
 
     def probe(self, data: RoundData, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Per-window agreement with the exact gradient on the samples ``indices``.
@@ -592,7 +521,7 @@ class _Trainer:
         lr = self.scheduler.get_last_lr()[0]
         forward_before = self.clock.seconds
         start = time.perf_counter()
-        stats = accumulate_gradient(
+        stats = jagg.accumulate_gradient(
             self.velocity,
             local,
             windows,

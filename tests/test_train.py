@@ -29,6 +29,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
 
 from jagg_pipeline import checkpoint as ckpt
 from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
+from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
 from jagg_pipeline.loop import run_rounds
 from jagg_pipeline.manifest import ManifestError
 from jagg_pipeline.tables import read_table, write_table
@@ -129,6 +130,16 @@ def test_window_4_counts_4_backward_calls_per_exact_window_1_per_jagg(
         assert key in row
     assert set(row["time"]) == {"forward", "backward", "optimizer"}
     assert row["reward"]["mean"] < 0  # -JPEG kB
+    # The gradient diagnostic counts through the same accumulation loop: per micro-batch, the
+    # same backward calls for the same trained steps, window and routing.
+    report = run_gradcheck(
+        GradcheckSettings(
+            backbone="tiny-sd3", window=4, num_steps=9, jagg_frac=0.5, trajectory="sde", batch=2
+        )
+    )
+    assert (
+        report["backward_calls"]["jagg"] * row["micro_batches_per_rank"] == (row["backward_calls"])
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -215,7 +215,6 @@ def _worker(checkpoint: Path, out: Path) -> None:
     from jagg_pipeline.backbones import BackboneSpec, load_backbone
     from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
     from jagg_pipeline.sde import StepCoefficients
-    from jagg_pipeline.train import MicroBatch, accumulate_gradient
 
     torch.set_num_threads(1)
     counter = _count_reduce_scatters()
@@ -248,7 +247,7 @@ def _worker(checkpoint: Path, out: Path) -> None:
         )
         advantages = torch.randn(batch, generator=gen, dtype=torch.float64)
 
-        def part(index: list[int]) -> MicroBatch:
+        def part(index: list[int]) -> jagg.MicroBatch:
             sub_cond = {k: v[index] for k, v in cond.items()}
             objective = GRPOStepLoss(
                 latents[index],
@@ -261,7 +260,7 @@ def _worker(checkpoint: Path, out: Path) -> None:
                 normalizer=float(batch * len(steps)),
                 cond=sub_cond,
             )
-            return MicroBatch(latents[index], sigmas, sub_cond, objective)
+            return jagg.MicroBatch(latents[index], sigmas, sub_cond, objective)
 
         report: dict[str, Any] = {"groups": groups, "world_size": ctx.world_size}
         params = sharded.trainable_parameters()
@@ -279,7 +278,7 @@ def _worker(checkpoint: Path, out: Path) -> None:
         # One optimizer step's accumulation: 2 micro-batches x 2 windows (jagg + exact).
         before = counter["calls"]
         parts = [part([2 * ctx.rank]), part([2 * ctx.rank + 1])]
-        accumulate_gradient(
+        jagg.accumulate_gradient(
             sharded.velocity,
             parts,
             [[0, 1], [2, 3]],
