@@ -223,17 +223,7 @@ def run_gradcheck(settings: GradcheckSettings) -> dict[str, Any]:
         "settings": asdict(settings),
         "sigmas": [float(s) for s in problem.sigmas],
         "trained_steps": problem.steps,
-        "windows": [
-            {
-                "index": p.index,
-                "steps": p.steps,
-                "sigma_start": p.sigma_start,
-                "sigma_end": p.sigma_end,
-                "jagg": asdict(p.jagg),
-                "no_interp": asdict(p.no_interp),
-            }
-            for p in probes
-        ],
+        "windows": [p.to_dict() for p in probes],
         "backward_calls": backward_calls,
         "trajectory": {
             "jagg_frac": settings.jagg_frac,

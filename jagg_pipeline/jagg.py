@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -415,6 +415,10 @@ class WindowProbe:
     sigma_end: float
     jagg: Agreement
     no_interp: Agreement
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record every report uses: gradcheck's JSON, train metrics and checkpoints."""
+        return asdict(self)
 
 
 def probe_windows(

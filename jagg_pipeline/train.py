@@ -210,23 +210,6 @@ class Routing:
         return None if data is None else cls(**data)
 
 
-def probe_summary(probes: Sequence[jagg.WindowProbe]) -> list[dict[str, Any]]:
-    """The per-window agreement of jagg and no_interp with exact, as plain data."""
-    return [
-        {
-            "window": p.index,
-            "steps": p.steps,
-            "sigma_start": p.sigma_start,
-            "sigma_end": p.sigma_end,
-            "jagg_cos_sim": p.jagg.cos_sim,
-            "jagg_rel_err": p.jagg.rel_err,
-            "no_interp_cos_sim": p.no_interp.cos_sim,
-            "no_interp_rel_err": p.no_interp.rel_err,
-        }
-        for p in probes
-    ]
-
-
 def decide_routing(
     jagg_config: Any,
     num_windows: int,
@@ -254,8 +237,8 @@ def decide_routing(
     if reuse:
         return previous
     probes = probe()
-    key = f"{jagg_config.mode}_cos_sim"
-    routed = [math.isfinite(p[key]) and p[key] >= jagg_config.auto_threshold for p in probes]
+    similarity = [p[jagg_config.mode]["cos_sim"] for p in probes]
+    routed = [math.isfinite(c) and c >= jagg_config.auto_threshold for c in similarity]
     return Routing(routed, "auto", round_index, probes)
 
 
@@ -487,20 +470,19 @@ class _Trainer:
         """
         jagg_config = self.config.jagg
         batch = self.micro_batch(data, indices, None)
-        return probe_summary(
-            jagg.probe_windows(
-                self.params,
-                self.velocity,
-                batch.objective,
-                batch.latents,
-                batch.sigmas,
-                batch.cond,
-                data.batch.trained_steps,
-                window=jagg_config.window,
-                weights=jagg_config.weights,
-                no_interp=jagg_config.no_interp,
-            )
+        probes = jagg.probe_windows(
+            self.params,
+            self.velocity,
+            batch.objective,
+            batch.latents,
+            batch.sigmas,
+            batch.cond,
+            data.batch.trained_steps,
+            window=jagg_config.window,
+            weights=jagg_config.weights,
+            no_interp=jagg_config.no_interp,
         )
+        return [p.to_dict() for p in probes]
 
     def step(
         self,

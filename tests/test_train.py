@@ -188,8 +188,8 @@ def test_two_rounds_chain_policies_and_keep_auto_routing(tiny_sd3, tmp_path):
 
     probe = metrics[0][0]["probe"]
     assert [p["steps"] for p in probe] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert all(-1.0 <= p["jagg_cos_sim"] <= 1.0 for p in probe)
-    routed = [p["jagg_cos_sim"] >= 0.9 for p in probe]
+    assert all(-1.0 <= p["jagg"]["cos_sim"] <= 1.0 for p in probe)
+    routed = [p["jagg"]["cos_sim"] >= 0.9 for p in probe]
     assert states[0].routing["routed"] == routed
     assert states[0].routing["probed_round"] == 0
     assert "probe" not in metrics[1][0]  # round 1 % auto_every != 0: kept
@@ -204,7 +204,10 @@ def test_decide_routing_probes_on_schedule():
 
     def probe():
         calls.append(1)
-        return [{"steps": [0, 1], "jagg_cos_sim": 0.95}, {"steps": [2, 3], "jagg_cos_sim": 0.5}]
+        return [
+            {"steps": [0, 1], "jagg": {"cos_sim": 0.95}},
+            {"steps": [2, 3], "jagg": {"cos_sim": 0.5}},
+        ]
 
     def settings(**changes):
         base = {"mode": "jagg", "jagg_frac": "auto", "auto_threshold": 0.8, "auto_every": 3}
@@ -217,7 +220,7 @@ def test_decide_routing_probes_on_schedule():
     assert decide_routing(settings(), 3, 1, first, probe).probed_round == 1  # other windows
     assert len(calls) == 3
     nan = decide_routing(
-        settings(), 1, 0, None, lambda: [{"steps": [0], "jagg_cos_sim": float("nan")}]
+        settings(), 1, 0, None, lambda: [{"steps": [0], "jagg": {"cos_sim": float("nan")}}]
     )
     assert nan.routed == [False]
     assert decide_routing(settings(mode="exact"), 2, 0, None, probe).routed == [False, False]
