@@ -25,6 +25,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
 from jagg_pipeline.checkpoint import read_ema_state, read_optimizer_state, read_trainer_state
 
 
+@pytest.mark.slow
 def test_fsdp_sums_rank_gradients_and_reduces_once_per_group(tiny_sd3, tmp_path):
     """One jagg window = one reduce-scatter per parameter group; gradients are summed.
 
@@ -52,6 +53,7 @@ def test_fsdp_sums_rank_gradients_and_reduces_once_per_group(tiny_sd3, tmp_path)
     assert report["max_grad_difference"] <= 1e-14
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_same_update_as_one(tiny_sd3, base_rollout, tmp_path):
     """Test 1: one optimizer step under torchrun -nproc 2 equals the one-process step, in
     round 0 and in round 1 resumed from a one-process checkpoint (optimizer state and EMA

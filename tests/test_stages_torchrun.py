@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from stage_helpers import tiny_checkpoint, write_experiment, write_prompts
 
@@ -35,6 +36,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path):
     # QwenImage with prompts of different lengths: variable-length text is the hard case.
     checkpoint = tiny_checkpoint("qwenimage", tmp_path)

@@ -34,6 +34,7 @@ def test_ten_rounds_raise_the_held_out_reward_and_keep_the_clip_score(toy_world,
     assert final["toy_clipscore"] > base["toy_clipscore"] - 3.0, (mode, base, final)
 
 
+@pytest.mark.slow
 def test_stage_commands_load_the_toy_checkpoint_in_a_fresh_process(toy_world, tmp_path):
     """Each stage is its own process: the toy codec must load without being imported first."""
     path = tmp_path / "experiment.yaml"

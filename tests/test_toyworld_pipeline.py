@@ -3,12 +3,14 @@
 import json
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 from conftest import toy_experiment
 
 from jagg_pipeline.cli import main
 
 
+@pytest.mark.slow
 def test_base_policy_sits_between_random_init_and_the_data(toy_world):
     _, report = toy_world
     random_init = report["random_init"]["attribute_reward"]
@@ -23,6 +25,7 @@ def test_base_policy_sits_between_random_init_and_the_data(toy_world):
     assert report["clip"]["top1_16"] > 0.5
 
 
+@pytest.mark.slow
 def test_rollout_score_evaluate_on_the_toy_world_from_the_cli(toy_world, tmp_path):
     config = tmp_path / "experiment.yaml"
     small = {

@@ -436,6 +436,7 @@ def _without_times(metrics: bytes) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_path):
     """Test 4: SIGKILL after the first of 4 optimizer steps; the rerun's checkpoint is the
     uninterrupted run's bit for bit (every file; metrics without their timings)."""
