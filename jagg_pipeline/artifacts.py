@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,3 +43,55 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
 def atomic_write_json(path: str | os.PathLike[str], data: Any) -> Path:
     """:func:`atomic_write_text` of ``data`` as indented JSON."""
     return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def staging_path(target: str | os.PathLike[str]) -> Path:
+    """``.NAME.partial`` beside ``target``: where :func:`atomic_directory` builds it."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.partial")
+
+
+def _retired_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
+
+
+def fsync_tree(directory: str | os.PathLike[str]) -> None:
+    """Flush every file under ``directory`` and the directory itself."""
+    directory = Path(directory)
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty staging directory; on success flush it and swap it in for ``target``.
+
+    Leftovers of a killed earlier write (``.NAME.partial``, ``.NAME.old``) are removed first.
+    The swap renames an existing ``target`` to ``.NAME.old``, the staging directory to
+    ``target``, then deletes the old one: a reader sees the old output or the new one, never a
+    mix. On an exception the staging directory is removed and ``target`` is left as it was.
+    """
+    target = Path(target)
+    staging, retired = staging_path(target), _retired_path(target)
+    for leftover in (staging, retired):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        fsync_tree(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if target.exists():
+        os.replace(target, retired)
+        os.replace(staging, target)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, target)

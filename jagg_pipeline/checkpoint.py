@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +77,6 @@ class CheckpointContents:
 # --------------------------------------------------------------------------------------------
 
 
-def partial_path(target: str | Path) -> Path:
-    """The staging directory beside ``target`` that a write fills before renaming it."""
-    target = Path(target)
-    return target.with_name(f".{target.name}.partial")
-
-
 def _flatten_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
     """Optimizer state as named tensors plus JSON (param groups, non-tensor per-param values)."""
     tensors, scalars = {}, {}
@@ -121,19 +113,6 @@ def _check_finite(contents: CheckpointContents) -> None:
             )
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file and the directory itself, so the rename never exposes empty files."""
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     target: str | Path,
     backbone: Backbone,
@@ -152,38 +131,28 @@ def write_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from jagg_pipeline.artifacts import atomic_write_text
+    from jagg_pipeline.artifacts import atomic_directory, atomic_write_text
     from jagg_pipeline.policy import save_policy
     from jagg_pipeline.rollout import finish_output
 
     _check_finite(contents)
     target = Path(target)
-    staging = partial_path(target)
-    shutil.rmtree(staging, ignore_errors=True)
-    trainer = staging / TRAINER_DIR
-    trainer.mkdir(parents=True)
-    save_policy(backbone, staging, contents.model_state)
-    state = _json_safe(dataclasses.asdict(contents.trainer))
-    atomic_write_text(trainer / STATE_FILE, json.dumps(state, indent=2) + "\n")
-    tensors, meta = _flatten_optimizer(contents.optimizer_state)
-    save_file(tensors, str(trainer / OPTIMIZER_FILE), metadata={"optimizer": meta})
-    save_file({"trainer": contents.rng_state.cpu().contiguous()}, str(trainer / RNG_FILE))
-    if contents.ema_state is not None:
-        ema = {k: v.detach().cpu().contiguous() for k, v in contents.ema_state.items()}
-        save_file(ema, str(trainer / EMA_FILE))
-    lines = "".join(json.dumps(_json_safe(row)) + "\n" for row in contents.metrics)
-    atomic_write_text(staging / METRICS_FILE, lines)
-    # config.yaml, then the manifest: the last file, the mark of a finished checkpoint.
-    finish_output(staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra)
-    _fsync_tree(staging)
-    if target.exists():
-        retired = target.with_name(f".{target.name}.old")
-        shutil.rmtree(retired, ignore_errors=True)
-        os.replace(target, retired)
-        os.replace(staging, target)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, target)
+    with atomic_directory(target) as staging:
+        trainer = staging / TRAINER_DIR
+        trainer.mkdir()
+        save_policy(backbone, staging, contents.model_state)
+        state = _json_safe(dataclasses.asdict(contents.trainer))
+        atomic_write_text(trainer / STATE_FILE, json.dumps(state, indent=2) + "\n")
+        tensors, meta = _flatten_optimizer(contents.optimizer_state)
+        save_file(tensors, str(trainer / OPTIMIZER_FILE), metadata={"optimizer": meta})
+        save_file({"trainer": contents.rng_state.cpu().contiguous()}, str(trainer / RNG_FILE))
+        if contents.ema_state is not None:
+            ema = {k: v.detach().cpu().contiguous() for k, v in contents.ema_state.items()}
+            save_file(ema, str(trainer / EMA_FILE))
+        lines = "".join(json.dumps(_json_safe(row)) + "\n" for row in contents.metrics)
+        atomic_write_text(staging / METRICS_FILE, lines)
+        # config.yaml, then the manifest: the last file, the mark of a finished checkpoint.
+        finish_output(staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra)
     return target
 
 

@@ -17,9 +17,6 @@ directory, the one format the training stage writes and rollout / evaluate read:
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -139,26 +136,15 @@ def save_policy(
     """
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    from jagg_pipeline.artifacts import atomic_directory
+
     weights = policy_state_dict(backbone, state_dict)
-    staging = Path(tempfile.mkdtemp(prefix=f".{POLICY_DIR}.", dir=directory))
-    try:
+    target = policy_weights_dir(directory)
+    with atomic_directory(target) as staging:
         if backbone.training_mode == "lora":
             # The adapter config is the LoRA format's, as Backbone.save_lora writes it.
             backbone.transformer.peft_config[lora_files.ADAPTER_NAME].save_pretrained(str(staging))
             save_file(weights, str(staging / lora_files.WEIGHTS_FILE))
         else:
             save_file(weights, str(staging / FULL_WEIGHTS))
-        target = policy_weights_dir(directory)
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{POLICY_DIR}.old.", dir=directory))
-            os.replace(target, retired / POLICY_DIR)
-            os.replace(staging, target)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target

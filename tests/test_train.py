@@ -28,6 +28,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
 )
 
 from jagg_pipeline import checkpoint as ckpt
+from jagg_pipeline.artifacts import staging_path
 from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
 from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
 from jagg_pipeline.loop import run_rounds
@@ -326,7 +327,7 @@ def test_nonfinite_weights_write_no_checkpoint(tiny_sd3, base_rollout, tmp_path)
     with pytest.raises(NonFiniteError, match="no checkpoint written"):
         _train(config, base_rollout, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
-    assert not ckpt.partial_path(tmp_path / "ckpt").exists()
+    assert not staging_path(tmp_path / "ckpt").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,10 +405,13 @@ def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
     monkeypatch.setattr(rollout, "finish_output", dies)
     with pytest.raises(KeyboardInterrupt):
         write(1.0)
-    assert not target.exists() and ckpt.partial_path(target).is_dir()
+    assert not target.exists() and not staging_path(target).exists()
     monkeypatch.setattr(rollout, "finish_output", original)
+    # What a SIGKILL leaves (no cleanup runs): the next write clears it.
+    for leftover in (staging_path(target), target.with_name(".ckpt.old")):
+        (leftover / "trainer").mkdir(parents=True)
     write(1.0)
-    assert not ckpt.partial_path(target).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     write(2.0)
     assert max_difference(policy_weights(target), {n: 2 * w for n, w in weights.items()}) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -16,15 +16,13 @@ manifest, so a killed build leaves nothing that looks finished.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from jagg_pipeline import sde
-from jagg_pipeline.artifacts import atomic_write_json
+from jagg_pipeline.artifacts import atomic_directory, atomic_write_json
 from jagg_pipeline.backbones import BackboneSpec, backbone_class
 from jagg_pipeline.backbones.base import Backbone
 from jagg_pipeline.configtools import digest
@@ -51,13 +49,6 @@ def _bar(total: int, description: str, enabled: bool) -> Any:
     # Redirected to a log, a bar would write a line per update: refresh rarely there.
     interval = 0.1 if sys.stderr.isatty() else 30.0
     return tqdm(total=total, desc=description, disable=not enabled, mininterval=interval)
-
-
-def _install(tmp: Path, final: Path) -> None:
-    """Move a finished directory into place, replacing an older build."""
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
 
 
 @torch.no_grad()
@@ -100,20 +91,18 @@ def ensure_clip(out: Path, settings: ClipSettings, progress: bool = True) -> dic
         "final_loss": sum(result.losses[-20:]) / min(20, len(result.losses)),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".clip.", dir=out))
-    save_clip(model, processor, tmp)
-    save_curves(tmp / "loss.png", {"contrastive loss": result.losses}, title="toy CLIP")
-    atomic_write_json(
-        tmp / "manifest.json",
-        {
-            "stage": "toyworld-clip",
-            "settings": dataclasses.asdict(settings),
-            "settings_digest": wanted,
-            "report": report,
-        },
-    )
-    _install(tmp, final)
+    with atomic_directory(final) as tmp:
+        save_clip(model, processor, tmp)
+        save_curves(tmp / "loss.png", {"contrastive loss": result.losses}, title="toy CLIP")
+        atomic_write_json(
+            tmp / "manifest.json",
+            {
+                "stage": "toyworld-clip",
+                "settings": dataclasses.asdict(settings),
+                "settings_digest": wanted,
+                "report": report,
+            },
+        )
     return report
 
 
@@ -170,13 +159,12 @@ def build_toyworld(
         "settings": dataclasses.asdict(settings),
     }
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{family}.", dir=out))
-    pipeline.save_pretrained(tmp)
-    atomic_write_json(
-        tmp / "manifest.json",
-        {"stage": "toyworld-backbone", "settings_digest": digest(settings), "report": report},
-    )
-    _install(tmp, out / family)
+    with atomic_directory(out / family) as tmp:
+        pipeline.save_pretrained(tmp)
+        atomic_write_json(
+            tmp / "manifest.json",
+            {"stage": "toyworld-backbone", "settings_digest": digest(settings), "report": report},
+        )
     order = torch.arange(0, len(captions), settings.eval_per_caption)[:16]
     save_image_grid(out / f"samples-{family}.png", base_images[order], [captions[i] for i in order])
     save_curves(
