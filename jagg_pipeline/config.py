@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from jagg_pipeline.backbones.base import BackboneSpec
 from jagg_pipeline.configtools import ConfigError, digest, field, from_dict, json_schema
@@ -110,6 +110,14 @@ class JaggConfig:
     auto_threshold: float = field(0.8, help="'auto': minimum cos-sim to route a window to jagg")
     auto_every: int = field(10, help="'auto': re-probe every K rounds")
     auto_probe_groups: int = field(2, help="'auto': prompt groups in the probe batch")
+
+    def engine_options(self) -> dict[str, Any]:
+        """The options every gradient-engine call of a run takes (training and probes)."""
+        return {
+            "weights": self.weights,
+            "no_interp": self.no_interp,
+            "stack_forwards": self.stack_forwards,
+        }
 
     def __post_init__(self) -> None:
         if self.window < 2:

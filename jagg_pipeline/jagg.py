@@ -433,6 +433,7 @@ def probe_windows(
     window: int,
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
+    stack_forwards: bool = True,
 ) -> list[WindowProbe]:
     """Per window, cos-sim and relative error of the jagg and no_interp gradients vs exact.
 
@@ -454,6 +455,7 @@ def probe_windows(
                     mode,
                     weights=weights,
                     no_interp=no_interp,
+                    stack_forwards=stack_forwards,
                 ),
             )
             for mode in GRAD_MODES

@@ -386,6 +386,7 @@ class _Trainer:
         from jagg_pipeline.policy import BASE, load_policy
 
         self.config, self.ctx = config, ctx
+        self.engine = config.jagg.engine_options()
         train = config.train
         self.generator = torch.Generator()
         if previous is None:
@@ -479,8 +480,7 @@ class _Trainer:
             batch.cond,
             data.batch.trained_steps,
             window=jagg_config.window,
-            weights=jagg_config.weights,
-            no_interp=jagg_config.no_interp,
+            **self.engine,
         )
         return [p.to_dict() for p in probes]
 
@@ -510,9 +510,7 @@ class _Trainer:
             routing.routed,
             jagg_config.mode,
             lambda on: distributed.set_gradient_sync(self.backbone.transformer, on),
-            weights=jagg_config.weights,
-            no_interp=jagg_config.no_interp,
-            stack_forwards=jagg_config.stack_forwards,
+            **self.engine,
         )
         self.clock.sync()
         engine_seconds = time.perf_counter() - start
