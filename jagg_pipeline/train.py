@@ -675,7 +675,9 @@ def train_round(
                 if bar.disable:
                     _log_step(row, len(plan))
                 else:
-                    bar.set_postfix(loss=f"{row['loss']:.3g}", grad=f"{row['grad_norm']:.3g}")
+                    bar.set_postfix(
+                        loss=f"{row['loss']:.3g}", grad=f"{row['grad_norm']:.3g}", refresh=False
+                    )
             bar.update()
         bar.close()
 

@@ -120,8 +120,9 @@ def train_clip(
         scheduler.step()
         result.losses.append(loss.item())
         if progress is not None:
+            # Shown at the bar's next refresh: redrawing every step floods a log file.
+            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", refresh=False)
             progress.update(1)
-            progress.set_postfix(loss=f"{result.losses[-1]:.3f}")
     model.eval()
     result.seconds = time.perf_counter() - start
     return result

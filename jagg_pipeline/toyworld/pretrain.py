@@ -86,8 +86,9 @@ def pretrain(
             torch._foreach_lerp_(ema, params, 1 - settings.ema_decay)
         result.losses.append(loss.item())
         if progress is not None:
+            # Shown at the bar's next refresh: redrawing every step floods a log file.
+            progress.set_postfix(loss=f"{result.losses[-1]:.4f}", refresh=False)
             progress.update(1)
-            progress.set_postfix(loss=f"{result.losses[-1]:.4f}")
     with torch.no_grad():
         torch._foreach_copy_(params, ema)
     for m in modules:
