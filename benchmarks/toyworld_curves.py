@@ -39,19 +39,12 @@ METRICS = ("toy_attributes", "toy_clipscore")
 def experiment(world: Path, variant: str, seed: int, rounds: int | None) -> Any:
     """The default config pointed at ``world``, with ``variant``'s jagg section and ``seed``."""
     from jagg_pipeline.config import from_mapping
+    from jagg_pipeline.toyworld.settings import experiment_sections
 
     train: dict[str, Any] = {"seed": seed}
     if rounds is not None:
         train["rounds"] = rounds
-    return from_mapping(
-        {
-            "backbone": {"path": str(world / "sd3")},
-            "rewards": {"toy_clipscore": {"model": str(world / "clip")}},
-            "tracking": {"backend": "none"},
-            "jagg": VARIANTS[variant],
-            "train": train,
-        }
-    )
+    return from_mapping({**experiment_sections(world), "jagg": VARIANTS[variant], "train": train})
 
 
 def run_one(args: argparse.Namespace) -> None:

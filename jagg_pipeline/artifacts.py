@@ -55,7 +55,7 @@ def _retired_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")
 
 
-def fsync_tree(directory: str | os.PathLike[str]) -> None:
+def _fsync_tree(directory: str | os.PathLike[str]) -> None:
     """Flush every file under ``directory`` and the directory itself."""
     directory = Path(directory)
     for path in sorted(directory.rglob("*")):
@@ -85,7 +85,7 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     staging.mkdir(parents=True)
     try:
         yield staging
-        fsync_tree(staging)
+        _fsync_tree(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -95,8 +95,8 @@ def run_rounds(
     count = config.train.rounds
     policy = "base"
     results = []
-    last = count + int(final_rollout) - 1
-    for round_index in range(count + int(final_rollout)):
+    total = count + int(final_rollout)
+    for round_index in range(total):
         directory = workdir / f"round-{round_index:04d}"
         checkpoint = directory / "checkpoint"
         start = time.perf_counter()
@@ -118,7 +118,7 @@ def run_rounds(
             update,
             time.perf_counter() - start,
         )
-        if evaluate_every > 0 and (round_index % evaluate_every == 0 or round_index == last):
+        if evaluate_every > 0 and (round_index % evaluate_every == 0 or round_index == total - 1):
             done.evaluation = evaluate_policy(config, policy)
         results.append(done)
         if on_round is not None:

@@ -37,12 +37,10 @@ def toy_world(tmp_path_factory):
 
 def toy_experiment(world, **sections):
     """The default experiment pointed at a built toy world; ``sections`` update it."""
+    from jagg_pipeline.toyworld.settings import experiment_sections
+
     out, _ = world
-    data = {
-        "backbone": {"path": str(out / "sd3")},
-        "rewards": {"toy_clipscore": {"model": str(out / "clip")}},
-        "tracking": {"backend": "none"},
-    }
+    data = experiment_sections(out)
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return data

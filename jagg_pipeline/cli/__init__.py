@@ -33,7 +33,8 @@ def _name(command: object) -> str:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The top-level parser; ``command`` (None: every one) is registered with its arguments.
 
-    The others are listed with their summary only, so that ``--help`` imports nothing heavy.
+    The others are listed with their summary only, so that ``--help`` imports nothing heavy;
+    ``""`` (no command or an unknown one) registers none in full.
     """
     parser = argparse.ArgumentParser(
         prog="python -m jagg_pipeline",

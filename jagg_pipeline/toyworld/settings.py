@@ -8,6 +8,8 @@ The command line reads its defaults from here (``toyworld --help`` stays fast); 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 TOY_FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage")
 
@@ -53,3 +55,17 @@ class BuildSettings:
     clip: ClipSettings = field(default_factory=ClipSettings)
     eval_steps: int = 20
     eval_per_caption: int = 2
+
+
+def experiment_sections(world: str | Path, family: str = "sd3") -> dict[str, Any]:
+    """Config sections that point the default experiment at a built toy world ``world``.
+
+    The backbone checkpoint of ``family``, the toy CLIP for ``toy_clipscore``, tracking off:
+    what tests, benchmarks and notebooks merge into their config data.
+    """
+    world = Path(world)
+    return {
+        "backbone": {"path": str(world / family)},
+        "rewards": {"toy_clipscore": {"model": str(world / "clip")}},
+        "tracking": {"backend": "none"},
+    }
