@@ -19,25 +19,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) --no-deps hpsv2==1.2.0
 	touch $@
 
-TOYWORLD := $(RESULTS)/toyworld
-
-# The toy world is built once; a finished build leaves its manifest (written last).
-$(TOYWORLD)/sd3/manifest.json: | $(STAMP)
-	$(BIN)/python -m jagg_pipeline toyworld build --out $(TOYWORLD) --backbone sd3
-
-run: $(STAMP) $(TOYWORLD)/sd3/manifest.json
-	$(BIN)/python -m jagg_pipeline gradcheck --backbone affine --trajectory chord \
-		--dtype float64 --window 4 --json $(RESULTS)/gradcheck/affine_chord.json --max-rel-err 1e-10
-	$(BIN)/python -m jagg_pipeline gradcheck --backbone mlp-dit --trajectory sde \
-		--dtype float32 --window 4 --jagg-frac 0.6 --json $(RESULTS)/gradcheck/mlp-dit_sde.json
-	$(BIN)/python -m jagg_pipeline experiment --out $(RESULTS)/experiment --rounds 3 \
-		--modes exact jagg
-	@echo "results: $(TOYWORLD) (toy world report, samples), $(RESULTS)/gradcheck,"
-	@echo "         $(RESULTS)/experiment (rounds per mode, eval/ metrics and grids)"
+# The default experiment (config.yaml, target `all`) through the Snakemake workflow: the toy
+# world build, rounds of rollout -> score -> train per variant, evaluations, the comparison.
+run: $(STAMP)
+	$(BIN)/snakemake --profile workflow/profiles/local all
+	$(BIN)/snakemake --profile workflow/profiles/local all --report $(RESULTS)/report.html
+	@echo "results:    $(RESULTS)/all/<variant>/seed-<s>/ (round-*/, eval/trained-*/)"
+	@echo "comparison: $(RESULTS)/all/summary/table.md and curves.png"
+	@echo "report:     $(RESULTS)/report.html (open it in a browser)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check jagg_pipeline tests benchmarks
 	$(BIN)/ruff format --check jagg_pipeline tests benchmarks
+	$(BIN)/snakefmt --check Snakefile workflow
+	$(BIN)/snakemake --lint --cores 1
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
 test: lint
@@ -46,6 +41,7 @@ test: lint
 format: $(STAMP)
 	$(BIN)/ruff format jagg_pipeline tests benchmarks
 	$(BIN)/ruff check --fix jagg_pipeline tests benchmarks
+	$(BIN)/snakefmt Snakefile workflow
 
 clean:
 	rm -rf $(VENV) $(RESULTS) .pytest_cache .ruff_cache

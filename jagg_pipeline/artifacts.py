@@ -1,12 +1,18 @@
-"""Writing outputs so that a crash never leaves a half-written file behind."""
+"""Writing outputs so that a crash never leaves a half-written file behind, and metric lines.
+
+Every stage folder holds ``metrics.jsonl``: one flat JSON object per line (``stage``, ``round``,
+``step``, then scalar ``key: value`` pairs, nested names joined by dots), which the workflow's
+collection and tracking rules read without knowing any stage.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,3 +101,41 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
         shutil.rmtree(retired)
     else:
         os.replace(staging, target)
+
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _flatten(item, f"{prefix}.{index}", out)
+    elif isinstance(value, float) and not math.isfinite(value):
+        out[prefix] = None  # strict JSON has no spelling for NaN or infinities
+    else:
+        out[prefix] = value
+
+
+def metrics_record(stage: str, round_index: int, step: int, values: Mapping[str, Any]) -> dict:
+    """One flat metrics line: stage, round, step, then ``values`` with nested keys dotted."""
+    record: dict[str, Any] = {"stage": stage, "round": round_index, "step": step}
+    _flatten(values, "", record)
+    return record
+
+
+def append_metrics(
+    folder: str | os.PathLike[str],
+    stage: str,
+    round_index: int,
+    step: int,
+    values: Mapping[str, Any],
+) -> None:
+    """Append one :func:`metrics_record` to ``folder/metrics.jsonl`` and flush it to disk."""
+    line = json.dumps(metrics_record(stage, round_index, step, values)) + "\n"
+    with open(Path(folder) / METRICS_NAME, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())

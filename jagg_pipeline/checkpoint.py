@@ -12,7 +12,7 @@ A round's checkpoint is the next round's ``--policy``::
     CKPT/trainer/rng.safetensors    the trainer's random generator (minibatch shuffles)
     CKPT/trainer/ema.safetensors    EMA of the trainable weights (names as the transformer's
                                     parameters), when ``train.ema_decay`` is set
-    CKPT/metrics.jsonl              one line per optimizer step
+    CKPT/metrics.jsonl              one flat line per optimizer step (artifacts.metrics_record)
 
 Everything is written into ``.CKPT.partial`` beside the target and renamed into place at the
 end, so nothing half-written ever appears under the final name, and a killed run's leftovers
@@ -32,11 +32,16 @@ from typing import Any
 
 import torch
 
+from jagg_pipeline.artifacts import (
+    METRICS_NAME,
+    atomic_directory,
+    atomic_write_text,
+    metrics_record,
+)
 from jagg_pipeline.backbones import Backbone
 
 STAGE = "train"
 TRAINER_DIR = "trainer"
-METRICS_FILE = "metrics.jsonl"
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
@@ -131,7 +136,6 @@ def write_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from jagg_pipeline.artifacts import atomic_directory, atomic_write_text
     from jagg_pipeline.policy import save_policy
     from jagg_pipeline.rollout import finish_output
 
@@ -149,11 +153,18 @@ def write_checkpoint(
         if contents.ema_state is not None:
             ema = {k: v.detach().cpu().contiguous() for k, v in contents.ema_state.items()}
             save_file(ema, str(trainer / EMA_FILE))
-        lines = "".join(json.dumps(_json_safe(row)) + "\n" for row in contents.metrics)
-        atomic_write_text(staging / METRICS_FILE, lines)
+        records = (
+            metrics_record(STAGE, row["round"], row["step"], _step_values(row))
+            for row in contents.metrics
+        )
+        atomic_write_text(staging / METRICS_NAME, "".join(json.dumps(r) + "\n" for r in records))
         # config.yaml, then the manifest: the last file, the mark of a finished checkpoint.
         finish_output(staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra)
     return target
+
+
+def _step_values(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in row.items() if key not in ("round", "step")}
 
 
 def _json_safe(value: Any) -> Any:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -21,17 +23,67 @@ import yaml
 
 T = TypeVar("T")
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+# A number written as text: PyYAML (YAML 1.1) reads ``1e-4`` (no dot) as a string. Letters other
+# than e/E are excluded, so 'nan' and 'inf' stay strings (and are rejected).
+NUMBER_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?$"
+# field() keyword -> the JSON Schema keyword of a numeric bound.
+_BOUNDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum"}
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key (and the file when known)."""
 
 
-def field(default: Any = dataclasses.MISSING, *, help: str, **kwargs: Any) -> Any:
-    """A dataclass field with the ``help`` text the schema and the docs show."""
+def field(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: float | None = None,
+    internal: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """A dataclass field with the ``help`` text the schema and the docs show.
+
+    No ``default`` (nor ``default_factory``) makes the field required. ``minimum``,
+    ``maximum`` and ``exclusive_minimum`` bound a numeric value: the loader enforces them and
+    the schema carries them. ``internal`` fields are set by code only: config files cannot set
+    them and the schema and :func:`to_dict` leave them out.
+    """
     if isinstance(default, list | dict):
         raise TypeError("use default_factory for mutable defaults")
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+    metadata: dict[str, Any] = {"help": help}
+    bounds = {"minimum": minimum, "maximum": maximum, "exclusive_minimum": exclusive_minimum}
+    metadata.update({name: bound for name, bound in bounds.items() if bound is not None})
+    if internal:
+        metadata["internal"] = True
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def _bound_error(value: Any, metadata: Mapping[str, Any]) -> str | None:
+    """Why ``value`` breaks the numeric bounds in a field's ``metadata`` (None: it does not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if "minimum" in metadata and value < metadata["minimum"]:
+        return f"{value!r} is below the minimum {metadata['minimum']!r}"
+    if "exclusive_minimum" in metadata and value <= metadata["exclusive_minimum"]:
+        return f"{value!r} must be above {metadata['exclusive_minimum']!r}"
+    if "maximum" in metadata and value > metadata["maximum"]:
+        return f"{value!r} is above the maximum {metadata['maximum']!r}"
+    return None
+
+
+def check_bounds(config: Any, prefix: str, error: type[Exception] = ConfigError) -> None:
+    """Raise ``error`` naming ``prefix.field`` if a numeric field of ``config`` breaks its bounds.
+
+    :func:`from_dict` checks bounds while loading; this is for objects that code builds
+    directly (a ``__post_init__``, a loader handed a spec).
+    """
+    for f in dataclasses.fields(config):
+        problem = _bound_error(getattr(config, f.name), f.metadata)
+        if problem:
+            raise error(f"{prefix}.{f.name}: {problem}")
 
 
 def _config_fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -62,7 +114,10 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
         return value
     if origin in (Union, types.UnionType):
         errors = []
-        for option in get_args(annotation):
+        options = get_args(annotation)
+        if isinstance(value, float) and float in options and not math.isfinite(value):
+            return _check(value, float, key, source)
+        for option in options:
             if option is type(None):
                 if value is None:
                     return None
@@ -86,8 +141,12 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
     if annotation is Any:
         return value
     if annotation is float:
+        if isinstance(value, str) and re.fullmatch(NUMBER_PATTERN, value):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{_where(key, source)}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{_where(key, source)}: must be a finite number, got {value!r}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -139,6 +198,9 @@ def from_dict(
             key = f"{prefix}.{name}" if prefix else name
             nested_base = default if dataclasses.is_dataclass(default) else None
             kwargs[name] = _check(data[name], hints[name], key, source, nested_base)
+            problem = _bound_error(kwargs[name], f.metadata)
+            if problem:
+                raise ConfigError(f"{_where(key, source)}: {problem}")
         elif default is dataclasses.MISSING:
             missing.append(name)
         else:
@@ -223,7 +285,8 @@ def _schema(annotation: Any) -> dict[str, Any]:
     if origin in (dict, Mapping):
         return {"type": "object", "additionalProperties": _schema(get_args(annotation)[1])}
     simple = {
-        float: {"type": "number"},
+        # numbers written as text (YAML 1.1 reads 1e-4 as a string) are accepted, as by the loader
+        float: {"type": ["number", "string"], "pattern": NUMBER_PATTERN},
         int: {"type": "integer"},
         str: {"type": "string"},
         bool: {"type": "boolean"},
@@ -248,6 +311,9 @@ def _object_schema(cls: type, base: Any = None) -> dict[str, Any]:
             prop = _schema(annotation)
         if f.metadata.get("help"):
             prop["description"] = f.metadata["help"]
+        # JSON Schema applies numeric keywords to numbers only, so at the property level they
+        # bound the number branch of e.g. ``float | Literal["auto"]`` and leave the rest alone.
+        prop.update({_BOUNDS[k]: f.metadata[k] for k in _BOUNDS if k in f.metadata})
         if default is dataclasses.MISSING:
             required.append(f.name)
         else:
@@ -268,3 +334,33 @@ def _object_schema(cls: type, base: Any = None) -> dict[str, Any]:
 def json_schema(cls: type) -> dict[str, Any]:
     """The draft 2020-12 JSON Schema of dataclass ``cls`` (defaults filled, strict objects)."""
     return {"$schema": SCHEMA_DIALECT, "title": cls.__name__, **_object_schema(cls)}
+
+
+def _flow(value: Any) -> str:
+    """``value`` as one line of YAML (flow style)."""
+    return yaml.safe_dump([value], default_flow_style=True, sort_keys=False).strip()[1:-1]
+
+
+def commented_yaml(schema: Mapping[str, Any], data: Mapping[str, Any], indent: int = 0) -> str:
+    """``data`` as block YAML with each key's schema description as a comment above it.
+
+    Sections (schema objects with properties) nest as blocks; every other value is written
+    on its key's line in flow style. Keys follow ``data``'s order.
+    """
+    import textwrap
+
+    pad = " " * indent
+    lines = []
+    properties = schema.get("properties", {})
+    for key, value in data.items():
+        prop = properties.get(key, {})
+        description = prop.get("description")
+        if description:
+            width = max(40, 98 - indent)
+            lines += [f"{pad}# {line}" for line in textwrap.wrap(description, width)]
+        if "properties" in prop and isinstance(value, Mapping):
+            lines.append(f"{pad}{key}:")
+            lines.append(commented_yaml(prop, value, indent + 2).rstrip("\n"))
+        else:
+            lines.append(f"{pad}{key}: {_flow(value)}")
+    return "\n".join(lines) + "\n"

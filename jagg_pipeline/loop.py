@@ -3,7 +3,7 @@
 For tests, benchmarks and notebooks (e.g. "does GRPO raise the toy world's held-out reward?"):
 the same stage functions the commands run, chained through the same files, so what passes
 here passes in the workflow. Round ``r`` lives in ``workdir/round-<r>/`` (``rollout/``,
-``scores.parquet``, ``checkpoint/``). With ``evaluate_every`` the loop also runs the evaluate
+``scores/``, ``checkpoint/``). With ``evaluate_every`` the loop also runs the evaluate
 stage's protocol (``eval`` section: fixed prompts and seeds, ODE sampling) on the base policy
 and on the checkpoints it names, in memory.
 """
@@ -40,13 +40,22 @@ class LoopRound:
 
 
 def _scored_rollout(
-    config: Any, policy: str, prompts: str | Path, directory: Path, round_index: int, progress
+    config: Any, policy: str, directory: Path, round_index: int, progress: bool
 ) -> tuple[Path, Path, float]:
     from jagg_pipeline.rollout import run_rollout
     from jagg_pipeline.scoring import run_score
 
-    rollouts, scores = directory / "rollout", directory / "scores.parquet"
-    run_rollout(config, policy, prompts, rollouts, round_index=round_index, progress=progress)
+    rollouts, scores = directory / "rollout", directory / "scores"
+    sampler = config.sampler
+    run_rollout(
+        config,
+        policy,
+        sampler.prompts,
+        rollouts,
+        round_index=round_index,
+        column=sampler.prompt_column,
+        progress=progress,
+    )
     summary = run_score(config, rollouts, scores, device=config.backbone.device).summary
     return rollouts, scores, float(summary["total_mean"])
 
@@ -70,7 +79,6 @@ def run_rounds(
     config: Any,
     workdir: str | Path,
     *,
-    prompts: str | Path = "toy:train",
     final_rollout: bool = True,
     evaluate_every: int = 0,
     on_round: Callable[[LoopRound], None] | None = None,
@@ -100,9 +108,7 @@ def run_rounds(
         directory = workdir / f"round-{round_index:04d}"
         checkpoint = directory / "checkpoint"
         start = time.perf_counter()
-        rollouts, scores, reward = _scored_rollout(
-            config, policy, prompts, directory, round_index, progress
-        )
+        rollouts, scores, reward = _scored_rollout(config, policy, directory, round_index, progress)
         trained = round_index < count
         update: dict[str, float] = {}
         if trained:

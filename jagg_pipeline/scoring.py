@@ -1,15 +1,15 @@
 """The score stage on a rollout: every configured reward on its images, totals and advantages.
 
-Owns the per-sample score table that the training stage reads: one row per sample in
+Owns the score folder that the training stage reads: ``scores.parquet``, one row per sample in
 :func:`~jagg_pipeline.trajectories.load_rollout` order with the columns ``sample`` (0..B-1),
 ``prompt_id``, ``group``, one per weighted reward, ``total`` (weighted sum), ``advantage``,
-``group_mean`` and ``group_std`` (of the total in the sample's group); written with
-:func:`~jagg_pipeline.tables.write_table` (parquet by default), with ``FILE.summary.json``
-(reward means, zero-std groups), ``FILE.config.yaml`` and ``FILE.manifest.json`` (stage
-``score``, input ``rollouts``) beside it. Rewards score the rollout's stored uint8 images;
-the advantage follows the ``advantage`` section (std mode, eps, clip) and
-``rewards.normalize_separately``. The stage reads the ``rewards`` and ``advantage`` sections
-(:data:`SECTIONS`): the train stage checks exactly these against its own config.
+``group_mean`` and ``group_std`` (of the total in the sample's group); ``summary.json`` (reward
+means, zero-std groups); ``metrics.jsonl`` (the summary's scalars as one flat line);
+``config.yaml`` and ``manifest.json`` (stage ``score``, input ``rollouts``), written last.
+Rewards score the rollout's stored uint8 images; the advantage follows the ``advantage``
+section (std mode, eps, clip) and ``rewards.normalize_separately``. The stage reads the
+``rewards`` and ``advantage`` sections (:data:`SECTIONS`): the train stage checks exactly these
+against its own config.
 The folder-of-images mode of the ``score`` command lives in :mod:`jagg_pipeline.cli.score`.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline.artifacts import atomic_write_json
+from jagg_pipeline.artifacts import METRICS_NAME, append_metrics, atomic_write_json
 from jagg_pipeline.grpo import group_advantages
 from jagg_pipeline.manifest import check_input
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
@@ -43,10 +43,13 @@ class Scores:
     summary: dict[str, Any]
 
 
-def summary_path(table: str | Path) -> Path:
-    """``FILE.summary.json`` beside a score table."""
-    table = Path(table)
-    return table.with_name(table.name + ".summary.json")
+TABLE_NAME = "scores.parquet"
+SUMMARY_NAME = "summary.json"
+
+
+def table_path(folder: str | Path) -> Path:
+    """The per-sample table of a score folder."""
+    return Path(folder) / TABLE_NAME
 
 
 def reward_columns(
@@ -108,6 +111,16 @@ def score_rollout(
     return Scores(rows, summary)
 
 
+def _flat_summary(scores: Scores) -> dict[str, float]:
+    summary = scores.summary
+    return {
+        "total_mean": summary["total_mean"],
+        "total_std": summary["total_std"],
+        "zero_std_groups": summary["zero_std_groups"],
+        **{f"reward_{name}": value for name, value in summary["reward_means"].items()},
+    }
+
+
 def run_score(
     config: Any,
     rollouts: str | Path,
@@ -118,8 +131,8 @@ def run_score(
 ) -> Scores:
     """The score stage: refuse rollouts of another backbone/sampler section, score, write.
 
-    Writes ``out`` (its suffix picks parquet, csv or jsonl), its summary, resolved config and
-    manifest; returns what it wrote.
+    Writes the folder ``out`` (table, summary, metrics, resolved config, manifest last);
+    returns what it wrote.
     """
     rollouts, out = Path(rollouts), Path(out)
     made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
@@ -132,15 +145,17 @@ def run_score(
         clip=config.advantage.clip,
     )
     scores = score_rollout(batch, reward, config.advantage, chunk)
-    begin_output(out)
-    write_table(out, scores.rows)
-    atomic_write_json(summary_path(out), scores.summary)
+    out.mkdir(parents=True, exist_ok=True)
+    begin_output(out, [METRICS_NAME])
+    write_table(table_path(out), scores.rows)
+    atomic_write_json(out / SUMMARY_NAME, scores.summary)
+    append_metrics(out, STAGE, made.get("seeds", {}).get("round", 0), 0, _flat_summary(scores))
     finish_output(
         out,
         config,
         stage=STAGE,
         seeds=made.get("seeds", {}),
         inputs={"rollouts": rollouts},
-        extra={"rows": len(scores.rows), "summary": summary_path(out).name},
+        extra={"rows": len(scores.rows)},
     )
     return scores

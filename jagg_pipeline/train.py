@@ -48,6 +48,7 @@ from jagg_pipeline import distributed, jagg
 from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
 from jagg_pipeline.objective import GRPOStepLoss
 from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
+from jagg_pipeline.scoring import table_path
 from jagg_pipeline.tables import read_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
@@ -137,7 +138,7 @@ def load_round_data(
     _check_policy_source(rollouts, made, policy)
     batch = load_rollout(rollouts)
     names = list(config.rewards.weights)
-    rows = _table_rows(rewards, batch, names)
+    rows = _table_rows(table_path(rewards), batch, names)
     return RoundData(
         batch=batch,
         advantages=torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),

@@ -1,11 +1,45 @@
 import dataclasses
+import re
+import subprocess
+import sys
+from typing import get_args
 
 import jsonschema
 import pytest
 import yaml
 
-from jagg_pipeline.config import ExperimentConfig, load_config, schema
+from jagg_pipeline.config import (
+    REWARD_NAMES,
+    BackboneDtype,
+    BackboneFamily,
+    BackboneSpec,
+    ExperimentConfig,
+    LoraSettings,
+    RewardDtype,
+    RewardsSpec,
+    load_config,
+    schema,
+)
 from jagg_pipeline.configtools import ConfigError, digest, from_dict, to_dict
+
+
+def test_importing_the_config_imports_no_heavy_library():
+    """Every Snakemake job parses the config at start-up: no torch, diffusers, transformers."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import jagg_pipeline.config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # stderr lines: "import time: self [us] | cumulative | <indent>package.module"
+    modules = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "jagg_pipeline.config" in modules
+    tops = {name.split(".")[0] for name in modules}
+    assert not tops & {"torch", "diffusers", "transformers", "numpy"}, sorted(tops)
 
 
 def test_default_config_round_trips_and_validates_against_its_schema():
@@ -17,28 +51,126 @@ def test_default_config_round_trips_and_validates_against_its_schema():
 
 
 def test_schema_and_dataclasses_agree_on_every_key():
-    """Every dataclass field is in the schema with its default, and nothing else is."""
+    """Every dataclass field of every section is in the schema with its default and help, and
+    nothing else is."""
     spec = schema()
+    seen = []
 
     def walk(obj, node, where):
-        fields = {f.name for f in dataclasses.fields(obj) if not f.metadata.get("internal")}
-        assert set(node["properties"]) == fields, where
-        assert node["additionalProperties"] is False
-        for name in fields:
+        fields = {f.name: f for f in dataclasses.fields(obj) if not f.metadata.get("internal")}
+        assert set(node["properties"]) == set(fields), where
+        assert node["additionalProperties"] is False, where
+        assert node.get("description"), f"{where} has no description"
+        for name, f in fields.items():
+            prop = node["properties"][name]
+            assert prop.get("description"), f"{where}.{name} has no help text"
+            assert prop["description"] == f.metadata["help"], f"{where}.{name}"
+            for bound, keyword in [
+                ("minimum", "minimum"),
+                ("maximum", "maximum"),
+                ("exclusive_minimum", "exclusiveMinimum"),
+            ]:
+                assert prop.get(keyword) == f.metadata.get(bound), f"{where}.{name} {keyword}"
             value = getattr(obj, name)
+            seen.append(f"{where}.{name}")
             if dataclasses.is_dataclass(value):
-                walk(value, node["properties"][name], f"{where}.{name}")
+                walk(value, prop, f"{where}.{name}")
             else:
-                assert node["properties"][name]["default"] == to_dict(value), f"{where}.{name}"
+                assert prop["default"] == to_dict(value), f"{where}.{name}"
 
     walk(ExperimentConfig(), spec, "config")
+    for section in (f.name for f in dataclasses.fields(ExperimentConfig)):
+        assert any(key.startswith(f"config.{section}.") for key in seen), section
+    assert "config.backbone.lora.rank" in seen
+    assert all(f"config.rewards.{name}" in seen for name in REWARD_NAMES)
 
 
-def test_every_experiment_key_has_help():
+def test_bounds_are_in_the_schema_and_the_schema_enforces_them():
     spec = schema()
-    for section in ("sampler", "grpo", "jagg", "train", "eval", "tracking"):
-        for name, prop in spec["properties"][section]["properties"].items():
-            assert prop.get("description"), f"{section}.{name} has no help text"
+    frac = spec["properties"]["jagg"]["properties"]["jagg_frac"]
+    assert (frac["minimum"], frac["maximum"]) == (0, 1)
+    assert spec["properties"]["train"]["properties"]["lr"]["exclusiveMinimum"] == 0
+    validator = jsonschema.Draft202012Validator(spec)
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"jagg": {"jagg_frac": 1.5}})
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate({"rewards": {"jpeg_compressibility": {"quality": 0}}})
+    validator.validate({"jagg": {"jagg_frac": "auto"}, "train": {"lr": "1e-4"}})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("jagg: {jagg_frac: 1.5}", r"jagg\.jagg_frac: 1\.5 is above the maximum 1$"),
+        ("jagg: {window: 1}", r"jagg\.window: 1 is below the minimum 2$"),
+        ("advantage: {eps: -1}", r"advantage\.eps: -1\.0 is below the minimum 0$"),
+        ("train: {lr: 0}", r"train\.lr: 0\.0 must be above 0$"),
+        ("sampler: {noise_level: .inf}", r"sampler\.noise_level: must be a finite number"),
+        ("jagg: {jagg_frac: .nan}", r"jagg\.jagg_frac: must be a finite number"),
+        ("train: {ema_decay: .inf}", r"train\.ema_decay: must be a finite number"),
+        ("train: {minibatches: 0}", r"train\.minibatches: 0 is below the minimum 1$"),
+        ("train: {lr: nan}", r"train\.lr: expected a number, got 'nan'"),
+        ("train: {lr: inf}", r"train\.lr: expected a number, got 'inf'"),
+        ("sampler: {group_size: 1}", r"sampler\.group_size: 1 is below the minimum 2$"),
+        ("backbone: {height: 0}", r"backbone\.height: 0 is below the minimum 1$"),
+        ("backbone: {lora: {rank: 0}}", r"backbone\.lora\.rank: 0 is below the minimum 1$"),
+        ("backbone: {lora: {dropout: 1.0}}", r"backbone\.lora: lora dropout must be in \[0, 1\)"),
+        (
+            "rewards: {jpeg_compressibility: {quality: 100}}",
+            r"rewards\.jpeg_compressibility\.quality: 100 is above the maximum 95$",
+        ),
+        ("rewards: {clipscore: {batch_size: 0}}", r"rewards\.clipscore\.batch_size: 0 is below"),
+    ],
+)
+def test_out_of_bounds_values_name_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "experiment.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {message}"):
+        load_config(path)
+
+
+def test_yaml_numbers_without_a_dot_load_as_numbers(tmp_path):
+    path = tmp_path / "experiment.yaml"
+    path.write_text("train: {lr: 1e-4, weight_decay: 1E2}\ngrpo: {clip_range: 5e-6}\n")
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-4"  # YAML 1.1: a string
+    cfg = load_config(path)
+    assert cfg.train.lr == 0.0001 and isinstance(cfg.train.lr, float)
+    assert (cfg.train.weight_decay, cfg.grpo.clip_range) == (100.0, 5e-6)
+    assert load_config(path, ["jagg.jagg_frac=5e-1"]).jagg.jagg_frac == 0.5
+    with pytest.raises(ConfigError, match=r"train\.rounds: expected an integer, got '1e3'"):
+        load_config(path, ["train.rounds=1e3"])
+
+
+def test_code_built_sections_check_their_bounds_too():
+    with pytest.raises(ConfigError, match=r"^policy\.backbone\.cfg_scale: 0\.5 is below"):
+        BackboneSpec("flux", "x", cfg_scale=0.5, key="policy.backbone")
+    with pytest.raises(ValueError, match=r"backbone\.dtype must be one of"):
+        BackboneSpec("flux", "x", dtype="float8")
+    with pytest.raises(ConfigError, match=r"lora\.rank: 0 is below the minimum 1"):
+        LoraSettings(rank=0)
+    with pytest.raises(ValueError, match=r"rewards\.weights\.nope: unknown reward"):
+        RewardsSpec(weights={"nope": 1.0})
+    with pytest.raises(ValueError, match=r"rewards\.weights\.hpsv21: is NaN"):
+        RewardsSpec(weights={"hpsv21": float("nan")})
+    with pytest.raises(ConfigError, match=r"rewards\.nope: unknown reward"):
+        RewardsSpec().spec("nope")
+    assert RewardsSpec().spec("jpeg_compressibility").quality == 95
+
+
+def test_config_types_agree_with_the_torch_side():
+    """The registry, the dtype tables and the backbone families follow the config's types."""
+    from jagg_pipeline.backbones import BACKBONE_FAMILIES
+    from jagg_pipeline.backbones import base as backbone_base
+    from jagg_pipeline.rewards import REWARDS
+    from jagg_pipeline.rewards import base as reward_base
+
+    assert tuple(backbone_base.DTYPES) == get_args(BackboneDtype)
+    assert tuple(reward_base.DTYPES) == get_args(RewardDtype)
+    assert get_args(BackboneFamily) == BACKBONE_FAMILIES
+    assert tuple(REWARDS) == REWARD_NAMES
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(RewardsSpec)}
+    for name, info in REWARDS.items():
+        assert helps[name] == info.summary, name  # the section's help is the module's summary
 
 
 def test_yaml_overrides_and_errors_name_file_and_key(tmp_path):
@@ -52,13 +184,18 @@ def test_yaml_overrides_and_errors_name_file_and_key(tmp_path):
     with pytest.raises(ConfigError, match=rf"{path}: jagg\.windw: unknown key"):
         load_config(path)
     for bad, message in [
-        ("jagg.window=1", r"jagg\.window must be >= 2"),
-        ("jagg.jagg_frac=1.5", r"jagg\.jagg_frac must be in \[0, 1\]"),
-        ("sampler.group_size=1", r"sampler\.group_size must be >= 2"),
-        ("backbone.dtype=float8", r"backbone\.dtype must be one of"),
+        ("jagg.window=1", r"jagg\.window: 1 is below the minimum 2"),
+        ("jagg.jagg_frac=1.5", r"jagg\.jagg_frac: 1\.5 is above the maximum 1"),
+        ("jagg.jagg_frac=half", r"jagg\.jagg_frac: 'half' fits none of"),
+        ("sampler.group_size=1", r"sampler\.group_size: 1 is below the minimum 2"),
+        ("sampler.window_start=[2, 3]", r"window_size 8 exceeds num_steps 10"),
+        ("backbone.dtype=float8", r"backbone\.dtype: 'float8' is not one of"),
+        ("backbone.family=unet", r"backbone\.family: 'unet' is not one of"),
         ("rewards.weights={nope: 1}", r"rewards\.weights\.nope: unknown reward"),
+        ("rewards.weights={hpsv21: .nan}", r"rewards\.weights\.hpsv21: must be a finite"),
         ("rewards.hpsv21.chekpoint=x", r"rewards\.hpsv21\.chekpoint: unknown key"),
-        ("backbone.lora.rank=0", "lora rank must be >= 1"),
+        ("rewards.clipscore.dtype=float64", r"rewards\.clipscore\.dtype: 'float64' is not"),
+        ("backbone.lora.rank=0", r"backbone\.lora\.rank: 0 is below the minimum 1"),
     ]:
         path.write_text("{}\n")
         with pytest.raises(ConfigError, match=message):
@@ -77,3 +214,5 @@ def test_config_cli_shows_resolved_yaml_and_schema(tmp_path, capsys):
     assert '"$schema"' in capsys.readouterr().out
     assert main(["config", "show", "--set", "jagg.mode=fast"]) == 2
     assert "jagg.mode: 'fast' is not one of" in capsys.readouterr().err
+    assert main(["config", "show", "--set", "train.lr=0"]) == 2
+    assert "train.lr: 0.0 must be above 0" in capsys.readouterr().err

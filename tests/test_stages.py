@@ -117,7 +117,7 @@ def test_load_rollout_restores_sample_order_and_refuses_gaps(tmp_path):
 
 def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     config_file, config = write_experiment(tmp_path / "c.yaml", "flux", checkpoints["flux"])
-    rollouts, scores, evals = tmp_path / "rollouts", tmp_path / "scores.parquet", tmp_path / "eval"
+    rollouts, scores, evals = tmp_path / "rollouts", tmp_path / "scores", tmp_path / "eval"
     rollouts.mkdir()
     (rollouts / "shard-7.safetensors").write_bytes(b"stale")  # a previous, wider run's shard
     rollout_cli(config_file, rollouts)
@@ -144,7 +144,7 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     score = ["score", "--config", str(config_file), "--rollouts", str(rollouts)]
     main([*score, "--out", str(scores)])
     assert "6 samples (3 groups" in capsys.readouterr().out
-    table = pq.read_table(scores)
+    table = pq.read_table(scores / "scores.parquet")
     assert table.column_names == [
         "sample",
         "prompt_id",
@@ -162,18 +162,34 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     stats = group_advantages(expected, batch.group_ids, eps=config.advantage.eps, clip=5.0)
     assert [r["advantage"] for r in rows] == pytest.approx(stats.values.tolist(), abs=1e-6)
     assert [r["group_std"] for r in rows] == pytest.approx(stats.group_std.tolist(), abs=1e-6)
-    summary = json.loads((tmp_path / "scores.parquet.summary.json").read_text())
+    assert sorted(p.name for p in scores.iterdir()) == [
+        "config.yaml",
+        "manifest.json",
+        "metrics.jsonl",
+        "scores.parquet",
+        "summary.json",
+    ]
+    summary = json.loads((scores / "summary.json").read_text())
     assert summary["samples"] == 6 and summary["zero_std_groups"] == 0
     assert summary["reward_means"]["jpeg_compressibility"] == pytest.approx(float(expected.mean()))
-    assert (tmp_path / "scores.parquet.config.yaml").is_file()
+    (line,) = (scores / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line) == {
+        "stage": "score",
+        "round": 0,
+        "step": 0,
+        "total_mean": pytest.approx(summary["total_mean"]),
+        "total_std": pytest.approx(summary["total_std"]),
+        "zero_std_groups": 0,
+        "reward_jpeg_compressibility": pytest.approx(summary["total_mean"]),
+    }
     score_manifest = check_input(scores, stage="score", config=config)
     check_derived_from(scores, score_manifest, "rollouts", rollouts)
     # --set sets a reward setting in rollout mode too; the resolved config records it.
-    lower = tmp_path / "q50.jsonl"
+    lower = tmp_path / "q50"
     main([*score, "--out", str(lower), "--set", "jpeg_compressibility.quality=50"])
-    resolved = yaml.safe_load((tmp_path / "q50.jsonl.config.yaml").read_text())
+    resolved = yaml.safe_load((lower / "config.yaml").read_text())
     assert resolved["rewards"]["jpeg_compressibility"] == {"quality": 50}
-    q50 = [json.loads(line)["jpeg_compressibility"] for line in lower.read_text().splitlines()]
+    q50 = pq.read_table(lower / "scores.parquet").column("jpeg_compressibility").to_pylist()
     assert all(a > b for a, b in zip(q50, expected.tolist(), strict=True))  # smaller files
 
     reports = []

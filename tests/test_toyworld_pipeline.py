@@ -35,7 +35,7 @@ def test_rollout_score_evaluate_on_the_toy_world_from_the_cli(toy_world, tmp_pat
     config.write_text(yaml.safe_dump(toy_experiment(toy_world, **small)))
     rollout, scores, evaluation = (
         tmp_path / "rollout",
-        tmp_path / "scores.parquet",
+        tmp_path / "scores",
         tmp_path / "eval",
     )
     base = ["--config", str(config)]
@@ -43,7 +43,7 @@ def test_rollout_score_evaluate_on_the_toy_world_from_the_cli(toy_world, tmp_pat
     main(["score", *base, "--rollouts", str(rollout), "--out", str(scores)])
     main(["evaluate", *base, "--policy", "base", "--out", str(evaluation)])
 
-    table = pq.read_table(scores).to_pylist()
+    table = pq.read_table(scores / "scores.parquet").to_pylist()
     assert len(table) == 8 and all(0.0 <= row["toy_attributes"] <= 1.0 for row in table)
     metrics = json.loads((evaluation / "metrics.json").read_text())
     assert set(metrics["metrics"]) == {"toy_attributes", "toy_clipscore"}

@@ -7,7 +7,6 @@ tests/test_distributed.py runs two processes. float64 makes the equalities tight
 import json
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -33,7 +32,8 @@ from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
 from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
 from jagg_pipeline.loop import run_rounds
 from jagg_pipeline.manifest import ManifestError
-from jagg_pipeline.tables import read_table, write_table
+from jagg_pipeline.scoring import table_path
+from jagg_pipeline.tables import read_table
 from jagg_pipeline.train import (
     Routing,
     TrainInputError,
@@ -87,7 +87,7 @@ def _mean_objective_gradient(config, rollouts, table):
     from jagg_pipeline.trajectories import load_rollout
 
     batch = load_rollout(rollouts)
-    advantages = torch.tensor([row["advantage"] for row in read_table(table)])
+    advantages = torch.tensor([row["advantage"] for row in read_table(table_path(table))])
     backbone = load_policy(config, "base")
     objective = GRPOStepLoss(
         batch.latents,
@@ -187,17 +187,20 @@ def test_two_rounds_chain_policies_and_keep_auto_routing(tiny_sd3, tmp_path):
     # being trained): no ratio leaves the 1e-4 clip range.
     assert [rows[0]["clipfrac"] for rows in metrics] == [0.0, 0.0]
 
-    probe = metrics[0][0]["probe"]
-    assert [p["steps"] for p in probe] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert all(-1.0 <= p["jagg"]["cos_sim"] <= 1.0 for p in probe)
-    routed = [p["jagg"]["cos_sim"] >= 0.9 for p in probe]
+    # metrics.jsonl is flat: nested records are dotted keys, list items numbered.
+    first = metrics[0][0]
+    steps = [[first[f"probe.{w}.steps.{i}"] for i in range(4)] for w in (0, 1)]
+    assert steps == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    cos_sims = [first[f"probe.{w}.jagg.cos_sim"] for w in (0, 1)]
+    assert all(-1.0 <= c <= 1.0 for c in cos_sims)
+    routed = [c >= 0.9 for c in cos_sims]
     assert states[0].routing["routed"] == routed
     assert states[0].routing["probed_round"] == 0
-    assert "probe" not in metrics[1][0]  # round 1 % auto_every != 0: kept
+    assert not any(key.startswith("probe.") for key in metrics[1][0])  # kept: no probe
     assert states[1].routing == states[0].routing
     for rows in metrics:
         modes = ["jagg" if r else "exact" for r in routed]
-        assert [w["mode"] for w in rows[0]["windows"]] == modes
+        assert [rows[0][f"windows.{w}.mode"] for w in (0, 1)] == modes
 
 
 def test_decide_routing_probes_on_schedule():
@@ -288,11 +291,11 @@ def test_inputs_that_do_not_fit_are_refused_naming_the_file(tiny_sd3, base_rollo
     with pytest.raises(TrainInputError, match="sample the rollouts from --policy"):
         load_round_data(config, trained, rollouts, table)
     # A table whose rows are not the rollout's samples in order.
-    rows = read_table(table)
-    shuffled = tmp_path / "shuffled.parquet"
-    write_table(shuffled, rows[1:] + rows[:1])
-    shutil.copy(f"{table}.manifest.json", f"{shuffled}.manifest.json")
-    with pytest.raises(TrainInputError, match=re.escape(f"{shuffled}: column 'sample'")):
+    rows = read_table(table_path(table))
+    shuffled = train_helpers.forged_scores(table, tmp_path / "shuffled", rows[1:] + rows[:1])
+    with pytest.raises(
+        TrainInputError, match=re.escape(f"{table_path(shuffled)}: column 'sample'")
+    ):
         load_round_data(config, "base", rollouts, shuffled)
     assert not (tmp_path / "x").exists()
 
@@ -304,11 +307,9 @@ def test_inputs_that_do_not_fit_are_refused_naming_the_file(tiny_sd3, base_rollo
 
 def test_nonfinite_loss_skips_the_step(tiny_sd3, base_rollout, tmp_path):
     rollouts, table = base_rollout
-    rows = read_table(table)
+    rows = read_table(table_path(table))
     rows[3]["advantage"] = float("nan")
-    poisoned = tmp_path / "nan.parquet"
-    write_table(poisoned, rows)
-    shutil.copy(f"{table}.manifest.json", f"{poisoned}.manifest.json")
+    poisoned = train_helpers.forged_scores(table, tmp_path / "nan", rows)
     config = make_config(tiny_sd3, train={"ema_decay": 0.5})
     result = _train(config, (rollouts, poisoned), tmp_path / "ckpt")
     (row,) = result.metrics
@@ -499,4 +500,4 @@ def test_train_command_documents_outputs_and_names_bad_inputs(tiny_sd3, tmp_path
     missing = tmp_path / "nowhere"
     args = ["train", "--config", str(config), "--policy", "base", "--rollouts", str(missing)]
     with pytest.raises(SystemExit, match=f"error: .*{re.escape(str(missing))}"):
-        main([*args, "--rewards", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "o")])
+        main([*args, "--rewards", str(tmp_path / "scores"), "--out", str(tmp_path / "o")])

@@ -82,14 +82,26 @@ def write_config(config: Any, path: Path) -> Path:
 def scored_rollout(
     config: Any, directory: Path, policy: str | Path = "base", round_index: int = 0
 ) -> tuple[Path, Path]:
-    """Rollout and score table of ``policy`` made by the real stages: (rollouts, table)."""
+    """Rollout and score folder of ``policy`` made by the real stages: (rollouts, scores)."""
     from jagg_pipeline.rollout import run_rollout
     from jagg_pipeline.scoring import run_score
 
-    rollouts, table = directory / "rollout", directory / "scores.parquet"
+    rollouts, scores = directory / "rollout", directory / "scores"
     run_rollout(config, policy, "toy:train", rollouts, round_index=round_index, progress=False)
-    run_score(config, rollouts, table)
-    return rollouts, table
+    run_score(config, rollouts, scores)
+    return rollouts, scores
+
+
+def forged_scores(scores: Path, target: Path, rows: list[dict]) -> Path:
+    """A copy of the score folder ``scores`` whose table holds ``rows`` (manifest unchanged)."""
+    import shutil
+
+    from jagg_pipeline.scoring import table_path
+    from jagg_pipeline.tables import write_table
+
+    shutil.copytree(scores, target)
+    write_table(table_path(target), rows)
+    return target
 
 
 def policy_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from jagg_pipeline.backbones.analytic import (
     ANALYTIC_BACKBONES,
@@ -19,8 +19,8 @@ from jagg_pipeline.backbones.analytic import (
     MlpDiT,
     build_analytic,
 )
-from jagg_pipeline.backbones.base import Backbone, BackboneLoadError, BackboneSpec
-from jagg_pipeline.backbones.lora import LoraSettings
+from jagg_pipeline.backbones.base import Backbone, BackboneLoadError
+from jagg_pipeline.config import BackboneFamily, BackboneSpec, LoraSettings
 
 _FAMILIES = {
     "flux": ("jagg_pipeline.backbones.flux", "FluxBackbone"),
@@ -28,6 +28,8 @@ _FAMILIES = {
     "qwenimage": ("jagg_pipeline.backbones.qwenimage", "QwenImageBackbone"),
 }
 BACKBONE_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+if get_args(BackboneFamily) != BACKBONE_FAMILIES:
+    raise ImportError(f"backbone families {BACKBONE_FAMILIES} differ from config.BackboneFamily")
 TINY_BACKBONES: tuple[str, ...] = tuple(f"tiny-{family}" for family in _FAMILIES)
 
 

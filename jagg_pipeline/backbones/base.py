@@ -6,7 +6,8 @@ sigma schedule, initial noise, batched prompt conditioning, decoding, FSDP units
 fine-tuning and activation checkpointing. The family modules only say what differs (text
 encoders, the transformer call, latent layout); this module owns:
 
-- :class:`BackboneSpec`, the config section of a backbone, and the error messages naming its keys;
+- the error messages naming the keys of :class:`BackboneSpec`, the config section of a backbone
+  (defined, torch-free, in :mod:`jagg_pipeline.config`);
 - resolving ``path`` to a local directory: an existing directory first, a hub id second (with
   ``HF_HUB_OFFLINE=1`` a missing model fails at once, naming the key to set);
 - classifier-free guidance as ONE batched forward ordered [uncond; cond] (optionally rescaled
@@ -24,15 +25,15 @@ import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, get_args
 
 import numpy as np
 import torch
 from torch import nn
 
 from jagg_pipeline.backbones import lora
+from jagg_pipeline.config import BackboneDtype, BackboneSpec, TrainingMode
 from jagg_pipeline.sources import snapshot_dir
 
 NEGATIVE = "negative_"
@@ -42,7 +43,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-TrainingMode = Literal["lora", "full"]
 # The projections of a joint (image + text stream) attention block, shared by all families.
 JOINT_ATTENTION_TARGETS: tuple[str, ...] = (
     "attn.to_q",
@@ -54,7 +54,9 @@ JOINT_ATTENTION_TARGETS: tuple[str, ...] = (
     "attn.add_v_proj",
     "attn.to_add_out",
 )
-TRAINING_MODES: tuple[str, ...] = ("lora", "full")
+TRAINING_MODES: tuple[str, ...] = get_args(TrainingMode)
+if tuple(DTYPES) != get_args(BackboneDtype):
+    raise ImportError(f"backbone DTYPES {tuple(DTYPES)} differ from config.BackboneDtype")
 
 # Only the diffusers-format parts of a hub repository (Flux repos also hold a 23 GB
 # original-format checkpoint at the top level).
@@ -70,56 +72,6 @@ HUB_PATTERNS = (
 
 class BackboneLoadError(RuntimeError):
     """A checkpoint could not be found or does not fit the configured family."""
-
-
-@dataclass(frozen=True)
-class BackboneSpec:
-    """The ``backbone`` section of a config: which checkpoint, and how to drive it.
-
-    ``path``: a local diffusers-format directory (the one holding ``model_index.json``) or, if
-    no such directory exists, a hub id. ``height``/``width``: image size in pixels.
-    ``cfg_scale`` > 1 turns on true classifier-free guidance against ``negative_prompt``
-    (SD3's ``guidance_scale``, Flux/QwenImage's ``true_cfg_scale``); ``cfg_rescale`` (None:
-    the family default, on for QwenImage) rescales the guided velocity per token to the
-    conditional norm. ``guidance_scale`` feeds a guidance-distilled model's guidance embedding
-    (Flux-dev; None: 3.5 as FluxPipeline). ``max_sequence_length`` (None: family default)
-    caps the T5/Qwen prompt tokens. ``training``: ``lora`` (adapters only) or ``full``.
-    ``load_text_encoders`` False skips the text encoders (conditioning precomputed).
-    ``key`` is the config path that error messages name.
-    """
-
-    family: str
-    path: str
-    revision: str | None = None
-    height: int = 1024
-    width: int = 1024
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    cfg_scale: float = 1.0
-    negative_prompt: str = ""
-    cfg_rescale: bool | None = None
-    guidance_scale: float | None = None
-    max_sequence_length: int | None = None
-    training: TrainingMode = "lora"
-    lora: lora.LoraSettings = field(default_factory=lora.LoraSettings)
-    gradient_checkpointing: bool = False
-    load_text_encoders: bool = True
-    # The config path that error messages name; set by code, not by config files.
-    key: str = field(default="backbone", metadata={"internal": True})
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"{self.key}.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.training not in TRAINING_MODES:
-            raise ValueError(
-                f"{self.key}.training must be one of {TRAINING_MODES}, got {self.training!r}"
-            )
-        if self.cfg_scale < 1.0:
-            raise ValueError(f"{self.key}.cfg_scale must be >= 1 (1 = off), got {self.cfg_scale}")
-        if self.height <= 0 or self.width <= 0:
-            raise ValueError(
-                f"{self.key}.height/width must be positive, got {self.height}x{self.width}"
-            )
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,35 +10,18 @@ same checkpoint.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from jagg_pipeline.config import LoraSettings  # the config type (torch-free); re-exported
+
 ADAPTER_NAME = "default"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """Rank, scale and placement of the adapters.
-
-    ``alpha`` defaults to ``rank`` (scale 1). ``targets`` are module-name suffixes such as
-    ``"attn.to_q"``; None takes the family's default list.
-    """
-
-    rank: int = 16
-    alpha: float | None = None
-    dropout: float = 0.0
-    targets: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora rank must be >= 1, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
+__all__ = ["LoraSettings", "add_lora", "has_lora", "load_lora", "save_lora", "target_modules"]
 
 
 def target_modules(

@@ -15,15 +15,15 @@ from jagg_pipeline import __version__
 from jagg_pipeline.cli import (
     config,
     evaluate,
-    experiment,
     gradcheck,
     rollout,
     score,
+    summarize,
     toyworld,
     train,
 )
 
-COMMANDS = (config, gradcheck, toyworld, rollout, score, train, evaluate, experiment)
+COMMANDS = (config, gradcheck, toyworld, rollout, score, train, evaluate, summarize)
 
 
 def _name(command: object) -> str:

@@ -1,4 +1,4 @@
-"""``config``: print the resolved experiment config or its JSON Schema."""
+"""``config``: print the resolved experiment config, a commented template, or the schemas."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "'show' prints the experiment config with every default filled, after reading "
             "--config (if given) and applying --set overrides; unknown keys and wrong types "
-            "fail naming the file and the key. 'schema' prints the JSON Schema (draft "
-            "2020-12) derived from the same dataclasses, which the workflow validates against."
+            "fail naming the file and the key. 'template' prints the same as YAML with every "
+            "key's help as a comment. 'schema' prints the JSON Schema (draft 2020-12) derived "
+            "from the same dataclasses; with --workflow, the schema of the workflow's "
+            "config.yaml (these sections plus the workflow section), which Snakemake "
+            "validates against."
         ),
     )
-    p.add_argument("what", choices=("show", "schema"), help="what to print")
+    p.add_argument("what", choices=("show", "template", "schema"), help="what to print")
+    p.add_argument("--workflow", action="store_true", help="schema: of the workflow's config.yaml")
     p.add_argument("--config", type=Path, help="experiment YAML (default: built-in defaults)")
     p.add_argument(
         "--set",
@@ -41,11 +45,12 @@ def _run(args: argparse.Namespace) -> int:
 
     from jagg_pipeline.artifacts import atomic_write_text
     from jagg_pipeline.config import ExperimentConfig, from_mapping, load_config, schema
-    from jagg_pipeline.configtools import ConfigError, apply_overrides, to_dict
+    from jagg_pipeline.configtools import ConfigError, apply_overrides, commented_yaml, to_dict
+    from jagg_pipeline.experiments import workflow_schema
 
     try:
         if args.what == "schema":
-            text = json.dumps(schema(), indent=2) + "\n"
+            text = json.dumps(workflow_schema() if args.workflow else schema(), indent=2) + "\n"
         else:
             if args.config is not None:
                 config = load_config(args.config, args.set)
@@ -53,7 +58,11 @@ def _run(args: argparse.Namespace) -> int:
                 config = from_mapping(apply_overrides({}, args.set))
             else:
                 config = ExperimentConfig()
-            text = yaml.safe_dump(to_dict(config), sort_keys=False)
+            data = to_dict(config)
+            if args.what == "template":
+                text = commented_yaml(schema(), data)
+            else:
+                text = yaml.safe_dump(data, sort_keys=False)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

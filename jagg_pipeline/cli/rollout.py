@@ -104,11 +104,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy_argument(p)
     p.add_argument(
         "--prompts",
-        required=True,
         metavar="FILE|toy:train|toy:heldout",
-        help="prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or a toy split",
+        help="prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or a toy split "
+        "(default: sampler.prompts)",
     )
-    p.add_argument("--column", metavar="NAME", help="prompt column of a tabular prompt file")
+    p.add_argument(
+        "--column",
+        metavar="NAME",
+        help="prompt column of a tabular prompt file (default: sampler.prompt_column)",
+    )
     p.add_argument(
         "--round",
         type=int,
@@ -128,10 +132,10 @@ def _run(args: argparse.Namespace) -> int:
         run_rollout(
             config,
             args.policy,
-            args.prompts,
+            args.prompts or config.sampler.prompts,
             args.out,
             round_index=args.round,
-            column=args.column,
+            column=args.column or config.sampler.prompt_column,
         )
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
         print(f"rollout written to {args.out}")

@@ -86,13 +86,14 @@ def _epilog() -> str:
         "OUT.manifest.json records the package version, the resolved reward settings and",
         "digests of the inputs.",
         "",
-        "rollout mode (the pipeline's score stage): --rollouts DIR --config FILE --out TABLE",
+        "rollout mode (the pipeline's score stage): --rollouts DIR --config FILE --out DIR",
         "scores a rollout directory's images with the config's rewards (--set still sets a",
-        "reward setting) and writes one row per sample in rollout order with columns",
+        "reward setting) and writes the folder OUT: scores.parquet, one row per sample in",
+        "rollout order with columns",
         "  sample, prompt_id, group, <reward>..., total, advantage, group_mean, group_std",
-        "(advantage per the advantage section: std_mode, eps, clip), plus OUT.summary.json",
-        "(reward means, zero-std groups), OUT.config.yaml (resolved config) and",
-        "OUT.manifest.json (stage score, input rollouts). Rollouts sampled under another",
+        "(advantage per the advantage section: std_mode, eps, clip), summary.json (reward",
+        "means, zero-std groups), metrics.jsonl, config.yaml (resolved config) and",
+        "manifest.json (stage score, input rollouts). Rollouts sampled under another",
         "backbone or sampler section are refused, naming the file.",
     ]
     return "\n".join(lines)
@@ -215,8 +216,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         required=True,
-        metavar="TABLE",
-        help="output table: .csv, .jsonl or .parquet",
+        metavar="OUT",
+        help="folder mode: output table (.csv, .jsonl or .parquet); rollout mode: output folder",
     )
     p.set_defaults(handler=_run)
 
@@ -279,7 +280,7 @@ def _run_rollout_score(args: argparse.Namespace) -> int:
     summary = scores.summary
     print(
         f"scored {summary['samples']} samples ({summary['groups']} groups, "
-        f"{summary['zero_std_groups']} with zero std); table written to {args.out}"
+        f"{summary['zero_std_groups']} with zero std); written to {args.out}"
     )
     return 0
 

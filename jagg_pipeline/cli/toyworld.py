@@ -1,4 +1,8 @@
-"""``toyworld build``: build the embedded toy world (pretrained toy backbone, toy CLIP, report)."""
+"""``toyworld build|clip``: build the embedded toy world (pretrained toy DiT, toy CLIP, report).
+
+``clip`` builds only the toy CLIP, so that builds of several families (the workflow runs them
+in parallel) share one CLIP instead of racing to write it.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("action", choices=("build",), help="what to do")
+    p.add_argument(
+        "action",
+        choices=("build", "clip"),
+        help="build: the CLIP (unless built with these settings) and the backbone; clip: the "
+        "CLIP only",
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(
         "--backbone", choices=TOY_FAMILIES, default=defaults.family, help="DiT family to build"
@@ -56,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from jagg_pipeline.toyworld.build import build_toyworld
+    from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip
     from jagg_pipeline.toyworld.settings import BuildSettings
 
     torch.set_num_threads(1)
@@ -68,6 +77,13 @@ def _run(args: argparse.Namespace) -> int:
         clip=dataclasses.replace(defaults.clip, steps=args.clip_steps, seed=args.seed),
         eval_steps=args.eval_steps,
     )
+    if args.action == "clip":
+        clip = ensure_clip(args.out, settings.clip, progress=not args.quiet)
+        print(
+            f"toy CLIP in {args.out / 'clip'}: top-1 among 16 held-out captions "
+            f"{clip['top1_16']:.3f}"
+        )
+        return 0
     report = build_toyworld(args.out, settings, progress=not args.quiet)
     rows = [
         ("random init", report["random_init"]),

@@ -68,8 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--rewards",
         type=Path,
         required=True,
-        metavar="TABLE",
-        help="score table of --rollouts (from `score --rollouts`)",
+        metavar="DIR",
+        help="score folder of --rollouts (from `score --rollouts`)",
     )
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="checkpoint directory")
     p.set_defaults(handler=_run)

@@ -7,24 +7,29 @@ and uint8 tensors (files, rollouts stored as uint8) go through :func:`to_unit_fl
 which divides by 255 exactly as torchvision's ``ToTensor`` does. Every scorer returns a float32
 tensor [B] on the device of ``images``, computed without grad.
 
-Specs are plain dataclasses whose fields name a model's local path or hub id; their config
-key is ``rewards.<name>.<field>`` and every loading error names that key.
+Specs are plain dataclasses (defined in :mod:`jagg_pipeline.config`) whose fields name a
+model's local path or hub id; their config key is ``rewards.<name>.<field>`` and every loading
+error names that key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import torch
 
+from jagg_pipeline.config import RewardDtype
 from jagg_pipeline.configtools import ConfigError, from_dict
 
+# The dtype names a spec accepts (config.RewardDtype, checked to agree) and their torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+if tuple(DTYPES) != get_args(RewardDtype):
+    raise ImportError(f"reward DTYPES {tuple(DTYPES)} differ from config.RewardDtype")
 
 
 class RewardConfigError(ConfigError):

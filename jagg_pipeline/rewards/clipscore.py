@@ -10,28 +10,18 @@ for prompts beyond the text context, which are truncated keeping the end-of-text
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from jagg_pipeline.config import ClipScoreSpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "clipscore"
 
 
-@dataclass
-class ClipScoreSpec:
-    """``rewards.clipscore``: where the model (and optionally its processor) live."""
-
-    model: str = "openai/clip-vit-large-patch14"
-    processor: str | None = None
-    dtype: str = "float32"
-    batch_size: int = 32
-
-
-SPEC = ClipScoreSpec
+SPEC = ClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 def clipscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

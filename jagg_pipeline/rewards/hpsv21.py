@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from jagg_pipeline.config import HPSv21Spec
 from jagg_pipeline.rewards.base import (
     BatchedReward,
     RewardConfigError,
@@ -35,22 +36,7 @@ from jagg_pipeline.sources import resolve_file
 NAME = "hpsv21"
 
 
-@dataclass
-class HPSv21Spec:
-    """``rewards.hpsv21``: the checkpoint and the open_clip architecture it belongs to.
-
-    ``checkpoint``: a local ``HPS_v2.1_compressed.pt`` or a hub ``owner/name/file``.
-    ``arch``: an open_clip model name, or the path of an open_clip model-config JSON (whose
-    file stem becomes the name); only tests and experiments change it from ViT-H-14.
-    """
-
-    checkpoint: str = "xswu/HPSv2/HPS_v2.1_compressed.pt"
-    arch: str = "ViT-H-14"
-    dtype: str = "float32"
-    batch_size: int = 32
-
-
-SPEC = HPSv21Spec
+SPEC = HPSv21Spec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 @dataclass

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from jagg_pipeline.rewards.base import (
-    BatchedReward,
-    RewardConfigError,
-    RewardFn,
-    config_key,
-    to_uint8,
-)
+from jagg_pipeline.config import JpegCompressibilitySpec
+from jagg_pipeline.rewards.base import BatchedReward, RewardFn, to_uint8
 
 NAME = "jpeg_compressibility"
 
@@ -28,14 +22,7 @@ NAME = "jpeg_compressibility"
 _CHUNK = 256
 
 
-@dataclass
-class JpegCompressibilitySpec:
-    """``rewards.jpeg_compressibility``: the JPEG quality (DDPO uses 95)."""
-
-    quality: int = 95
-
-
-SPEC = JpegCompressibilitySpec
+SPEC = JpegCompressibilitySpec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 def jpeg_kilobytes(images: torch.Tensor, quality: int) -> torch.Tensor:
@@ -59,12 +46,11 @@ def jpeg_compressibility(
 
 
 def load(spec: JpegCompressibilitySpec, device: torch.device) -> RewardFn:
-    """The reward; ``device`` is ignored (encoding happens on the CPU)."""
-    if not 1 <= spec.quality <= 95:
-        raise RewardConfigError(
-            f"{config_key(NAME, 'quality')}: must be in [1, 95] (Pillow's useful range), "
-            f"got {spec.quality}"
-        )
+    """The reward; ``device`` is ignored (encoding happens on the CPU).
+
+    ``spec.quality`` is bounded to Pillow's useful range [1, 95] by the spec's field (checked
+    when the config is read, and by :func:`~jagg_pipeline.rewards.registry.load_reward`).
+    """
     return BatchedReward(
         NAME, partial(jpeg_compressibility, spec.quality), torch.device("cpu"), _CHUNK
     )

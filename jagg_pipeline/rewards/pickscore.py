@@ -9,28 +9,18 @@ and typical scores of 18-24.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from jagg_pipeline.config import PickScoreSpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "pickscore"
 
 
-@dataclass
-class PickScoreSpec:
-    """``rewards.pickscore``: where the model and its processor live, and how to run it."""
-
-    model: str = "yuvalkirstain/PickScore_v1"
-    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-    dtype: str = "float32"
-    batch_size: int = 32
-
-
-SPEC = PickScoreSpec
+SPEC = PickScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 def pickscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The reward registry and the ``rewards:`` config section.
 
-A reward is one module exposing ``NAME`` (its registry and config name), ``SPEC`` (a plain
+A reward is one module exposing ``NAME`` (its registry and config name), ``SPEC`` (the plain
 dataclass of its settings, every field with a default) and ``load(spec, device) -> RewardFn``;
-its docstring's first line is its summary in ``--help``. Adding a reward (e.g. the toy world's
-``toy_attributes``) is one such file plus its entry in ``_MODULES``. Scorer modules import
-their heavy dependencies (open_clip, transformers) inside ``load``, so importing the registry
-is cheap.
+its docstring's first line is its summary in ``--help``. The spec classes and the section type
+:class:`~jagg_pipeline.config.RewardsSpec` live in :mod:`jagg_pipeline.config`, which must stay
+torch-free; adding a reward (e.g. the toy world's ``toy_attributes``) is one such module, its
+entry in ``_MODULES``, and its spec class plus its field in ``RewardsSpec`` there (checked at
+import below). Scorer modules import their heavy dependencies (open_clip, transformers) inside
+``load``.
 
 The section, as YAML::
 
@@ -21,13 +23,14 @@ Model settings may also be given for rewards that are not weighted (e.g. evaluat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 
-from jagg_pipeline.configtools import ConfigError, from_dict
+from jagg_pipeline.config import REWARD_NAMES, RewardsSpec
+from jagg_pipeline.configtools import ConfigError, check_bounds, from_dict
 from jagg_pipeline.rewards import (
     clipscore,
     hpsv21,
@@ -66,6 +69,22 @@ def _info(module: ModuleType) -> RewardInfo:
 REWARDS: dict[str, RewardInfo] = {module.NAME: _info(module) for module in _MODULES}
 
 
+def _check_against_config() -> None:
+    """The registry and the config's ``rewards`` section must list the same rewards and specs."""
+    if tuple(REWARDS) != REWARD_NAMES:
+        raise ImportError(f"registered rewards {tuple(REWARDS)} differ from {REWARD_NAMES}")
+    hints = get_type_hints(RewardsSpec)
+    for name, info in REWARDS.items():
+        if info.spec_type is not hints[name]:
+            raise ImportError(
+                f"reward {name}: SPEC {info.spec_type.__name__} is not the type of "
+                f"RewardsSpec.{name} ({hints[name].__name__})"
+            )
+
+
+_check_against_config()
+
+
 def reward_info(name: str) -> RewardInfo:
     """The registered reward ``name``; the error lists the known ones."""
     if name not in REWARDS:
@@ -90,66 +109,12 @@ def load_reward(name: str, spec: Any = None, device: str | torch.device = "cpu")
         spec = info.spec_type()
     elif not isinstance(spec, info.spec_type):
         raise TypeError(f"{name} needs a {info.spec_type.__name__}, got {type(spec).__name__}")
+    check_bounds(spec, f"rewards.{name}", RewardConfigError)  # a spec built by code, unchecked
     return info.load(spec, torch.device(device))
 
 
-def _check_weights(self: Any) -> None:
-    for name, weight in self.weights.items():
-        if name not in REWARDS:
-            raise ValueError(
-                f"rewards.weights.{name}: unknown reward; known rewards: "
-                f"{', '.join(sorted(REWARDS))}"
-            )
-        if weight != weight:  # NaN: a typo in a sweep would silently disable the reward
-            raise ValueError(f"rewards.weights.{name}: is NaN")
-
-
-def _spec(self: Any, name: str) -> Any:
-    """The settings of reward ``name``."""
-    reward_info(name)
-    return getattr(self, name)
-
-
-# One field per registered reward, so that the typed config, its JSON schema and the YAML
-# layout (`rewards: {weights: ..., hpsv21: {...}}`) all follow the registry.
-RewardsSpec = make_dataclass(
-    "RewardsSpec",
-    [
-        (
-            "weights",
-            dict[str, float],
-            field(
-                default_factory=dict,
-                metadata={"help": "which rewards run and their weights: {name: weight}"},
-            ),
-        ),
-        (
-            "normalize_separately",
-            bool,
-            field(
-                default=False,
-                metadata={"help": "group-normalise each reward's advantage before weighting"},
-            ),
-        ),
-        *(
-            (
-                name,
-                info.spec_type,
-                field(default_factory=info.spec_type, metadata={"help": info.summary}),
-            )
-            for name, info in REWARDS.items()
-        ),
-    ],
-    namespace={"__post_init__": _check_weights, "spec": _spec},
-)
-RewardsSpec.__doc__ = (
-    "The ``rewards:`` section: weights of the rewards that run, each model's settings."
-)
-RewardsSpec.__module__ = __name__
-
-
-def parse_rewards(section: Mapping[str, Any]) -> Any:
-    """Parse a ``rewards:`` mapping strictly into a :data:`RewardsSpec`; errors name the key.
+def parse_rewards(section: Mapping[str, Any]) -> RewardsSpec:
+    """Parse a ``rewards:`` mapping strictly into a :class:`RewardsSpec`; errors name the key.
 
     At least one reward must be weighted.
     """
@@ -165,3 +130,14 @@ def parse_rewards(section: Mapping[str, Any]) -> Any:
             f"(known rewards: {', '.join(sorted(REWARDS))})"
         )
     return spec
+
+
+__all__ = [
+    "REWARDS",
+    "RewardInfo",
+    "RewardsSpec",
+    "load_reward",
+    "parse_rewards",
+    "parse_spec",
+    "reward_info",
+]

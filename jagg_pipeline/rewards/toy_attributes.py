@@ -9,23 +9,16 @@ must be toy-world captions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from jagg_pipeline.config import ToyAttributesSpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardConfigError, RewardFn, to_uint8
 
 NAME = "toy_attributes"
 
 
-@dataclass
-class ToyAttributesSpec:
-    """``rewards.toy_attributes``: how many images to score at once."""
-
-    batch_size: int = 256
-
-
-SPEC = ToyAttributesSpec
+SPEC = ToyAttributesSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 def toy_attributes(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

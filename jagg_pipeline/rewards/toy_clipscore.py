@@ -7,29 +7,19 @@ next to ``toy_attributes``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from jagg_pipeline.config import ClipScoreSpec, ToyClipScoreSpec
 from jagg_pipeline.rewards import clipscore
 from jagg_pipeline.rewards.base import RewardFn
 
 NAME = "toy_clipscore"
 
 
-@dataclass
-class ToyClipScoreSpec:
-    """``rewards.toy_clipscore``: the toy CLIP directory (model and processor)."""
-
-    model: str = "results/toyworld/clip"
-    dtype: str = "float32"
-    batch_size: int = 256
-
-
-SPEC = ToyClipScoreSpec
+SPEC = ToyClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
 
 
 def load(spec: ToyClipScoreSpec, device: torch.device) -> RewardFn:
     """Load the toy CLIP named by ``spec`` onto ``device``."""
-    shared = clipscore.ClipScoreSpec(model=spec.model, dtype=spec.dtype, batch_size=spec.batch_size)
+    shared = ClipScoreSpec(model=spec.model, dtype=spec.dtype, batch_size=spec.batch_size)
     return clipscore.load(shared, device, name=NAME)

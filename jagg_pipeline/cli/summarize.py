@@ -1,0 +1,49 @@
+"""``summarize``: one experiment's runs compared: a metrics table, curves and a markdown table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "compare an experiment's runs: metrics.jsonl of every run, table.md, curves.png"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``summarize`` subcommand."""
+    p = sub.add_parser(
+        "summarize",
+        help=HELP,
+        description=(
+            "Reads the finished stage folders of each run (round-*/scores, "
+            "round-*/checkpoint, eval/trained-*) and writes into OUT: metrics.jsonl (every "
+            "metric line of every run, tagged with run, variant and seed), summary.json, "
+            "table.md (per variant, mean +- std over seeds: held-out metrics base -> final "
+            "and their rise, rollout reward, update-stage seconds per round) and curves.png."
+        ),
+    )
+    p.add_argument(
+        "--run",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("VARIANT", "SEED", "DIR"),
+        help="a run folder and its variant and seed; repeat for every run",
+    )
+    p.add_argument("--title", default="", help="heading of the table and the plot")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.summary import write_summary
+
+    runs = {}
+    for variant, seed, directory in args.run:
+        if not seed.isdigit():
+            raise SystemExit(f"error: --run {variant} {seed} {directory}: SEED must be an integer")
+        runs[f"{variant}/seed-{seed}"] = (directory, variant, int(seed))
+    write_summary(runs, args.out, args.title)
+    print((args.out / "table.md").read_text())
+    print(f"summary written to {args.out}")
+    return 0

@@ -1,0 +1,225 @@
+"""An experiment's comparison: every run's stage metrics in one table, the curves, the verdict.
+
+Reads only finished stage folders of the run layout (:mod:`jagg_pipeline.experiments`):
+``round-<r>/scores/metrics.jsonl`` (training reward of each round's rollout),
+``round-<r>/checkpoint/metrics.jsonl`` (one line per optimizer step) and
+``eval/trained-<n>/metrics.json`` (held-out metrics after n rounds). Writes
+``metrics.jsonl`` (every line of every run, tagged with experiment, variant and seed: the table
+the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: evaluation base
+-> final, rise, training reward, update-stage seconds per round) and ``curves.png`` (evaluation
+metrics and training reward vs round, seed bands) and ``grids/`` (the evaluation grids of the
+base policy and the final checkpoint of every run). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jagg_pipeline.artifacts import METRICS_NAME, atomic_output, atomic_write_text
+
+UPDATE_PARTS = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class RunMetrics:
+    """What one run's folders say: per-round lines and evaluations by rounds trained."""
+
+    variant: str
+    seed: int
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
+    grids: dict[int, Path] = field(default_factory=dict)
+
+    def stage(self, name: str) -> list[dict[str, Any]]:
+        """The metric lines of stage ``name`` in round order."""
+        return [line for line in self.lines if line["stage"] == name]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
+    """The metrics of the run in ``directory`` (every round and evaluation found there)."""
+    directory = Path(directory)
+    run = RunMetrics(variant, seed)
+    for round_dir in sorted(directory.glob("round-*")):
+        for stage in ("scores", "checkpoint"):
+            path = round_dir / stage / METRICS_NAME
+            if path.is_file():
+                run.lines.extend(_jsonl(path))
+    for eval_dir in sorted(directory.glob("eval/trained-*")):
+        report = json.loads((eval_dir / "metrics.json").read_text())
+        trained = int(eval_dir.name.removeprefix("trained-"))
+        run.evaluations[trained] = {name: v["mean"] for name, v in report["metrics"].items()}
+        run.grids[trained] = eval_dir / "grid.png"
+    return run
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _update_seconds(run: RunMetrics) -> dict[str, float]:
+    """Mean update-stage seconds per round, split into forward, backward and optimizer."""
+    per_round: dict[int, dict[str, float]] = {}
+    for line in run.stage("train"):
+        parts = per_round.setdefault(line["round"], dict.fromkeys(UPDATE_PARTS, 0.0))
+        for part in UPDATE_PARTS:
+            parts[part] += line.get(f"time.{part}") or 0.0
+    if not per_round:
+        return dict.fromkeys(UPDATE_PARTS, float("nan"))
+    return {p: statistics.mean(r[p] for r in per_round.values()) for p in UPDATE_PARTS}
+
+
+def summarise(runs: Sequence[RunMetrics]) -> dict[str, Any]:
+    """Per variant (in first-seen order): evaluation curves, base/final/rise, reward, timing."""
+    by_variant: dict[str, list[RunMetrics]] = {}
+    for run in runs:
+        by_variant.setdefault(run.variant, []).append(run)
+    summary: dict[str, Any] = {}
+    for variant, seeds in by_variant.items():
+        evaluated = sorted(set.intersection(*(set(r.evaluations) for r in seeds)))
+        metrics = sorted({m for r in seeds for e in r.evaluations.values() for m in e})
+        curves = {
+            m: [mean_std([r.evaluations[k][m] for r in seeds]) for k in evaluated] for m in metrics
+        }
+        reward_rounds = sorted(
+            set.intersection(*({x["round"] for x in r.stage("score")} for r in seeds))
+        )
+        rewards = [
+            mean_std(
+                [next(x for x in r.stage("score") if x["round"] == k)["total_mean"] for r in seeds]
+            )
+            for k in reward_rounds
+        ]
+        updates = [_update_seconds(r) for r in seeds]
+        first, last = (evaluated[0], evaluated[-1]) if evaluated else (None, None)
+        summary[variant] = {
+            "seeds": [r.seed for r in seeds],
+            "evaluated_rounds": evaluated,
+            "curves": curves,
+            "base": {m: curves[m][0] for m in metrics} if evaluated else {},
+            "final": {m: curves[m][-1] for m in metrics} if evaluated else {},
+            "rise": {
+                m: mean_std([r.evaluations[last][m] - r.evaluations[first][m] for r in seeds])
+                for m in metrics
+            }
+            if evaluated
+            else {},
+            "reward_rounds": reward_rounds,
+            "train_reward": rewards,
+            "update_seconds": {p: statistics.mean(u[p] for u in updates) for p in UPDATE_PARTS},
+        }
+    return summary
+
+
+def table(summary: Mapping[str, Any]) -> str:
+    """A markdown table: one row per variant, evaluation metrics base -> final, rise, timing."""
+    metrics = sorted({m for s in summary.values() for m in s["final"]})
+    head = ["variant", "seeds", *(f"{m}: base -> final (rise)" for m in metrics)]
+    head += ["train reward: first -> last round", "update s/round (fwd + bwd + opt)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, s in summary.items():
+        cells = [variant, str(len(s["seeds"]))]
+        for m in metrics:
+            if m not in s["final"]:
+                cells.append("-")
+                continue
+            (base, _), (final, final_std) = s["base"][m], s["final"][m]
+            rise, rise_std = s["rise"][m]
+            cells.append(
+                f"{base:.3f} -> {final:.3f} +- {final_std:.3f} ({rise:+.3f} +- {rise_std:.3f})"
+            )
+        rewards = s["train_reward"]
+        cells.append(f"{rewards[0][0]:.3f} -> {rewards[-1][0]:.3f}" if rewards else "-")
+        u = s["update_seconds"]
+        cells.append(
+            f"{sum(u.values()):.2f} ({u['forward']:.2f} + {u['backward']:.2f} + "
+            f"{u['optimizer']:.2f})"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
+    """One panel per evaluation metric plus the training reward, vs round, with seed bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = sorted({m for s in summary.values() for m in s["curves"]})
+    panels = [*metrics, "train reward"]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), dpi=100)
+    for variant, s in summary.items():
+        for axis, panel in zip(axes, panels, strict=True):
+            if panel == "train reward":
+                xs, points = s["reward_rounds"], s["train_reward"]
+            else:
+                xs, points = s["evaluated_rounds"], s["curves"].get(panel, [])
+            if not points:
+                continue
+            mean = [p[0] for p in points]
+            (line,) = axis.plot(xs, mean, marker="o", markersize=3, label=variant)
+            low = [p[0] - p[1] for p in points]
+            high = [p[0] + p[1] for p in points]
+            axis.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
+    for axis, panel in zip(axes, panels, strict=True):
+        axis.set_title(f"held-out {panel}" if panel != "train reward" else "rollout reward")
+        axis.set_xlabel("rounds trained" if panel != "train reward" else "round")
+        axis.grid(alpha=0.3)
+    axes[0].legend(title="mean +- std over seeds")
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format="png")
+    plt.close(figure)
+    return Path(path)
+
+
+def write_summary(
+    runs: Mapping[str, tuple[str | Path, str, int]], out: str | Path, title: str = ""
+) -> dict[str, Any]:
+    """Summarise ``runs`` (run id -> (directory, variant, seed)) into the folder ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    read = {run_id: read_run(*spec) for run_id, spec in runs.items()}
+    tagged = [
+        {"run": run_id, "variant": run.variant, "seed": run.seed, **line}
+        for run_id, run in read.items()
+        for line in run.lines
+    ]
+    tagged += [
+        {
+            "run": run_id,
+            "variant": run.variant,
+            "seed": run.seed,
+            "stage": "evaluate",
+            "round": trained,
+            "step": 0,
+            **values,
+        }
+        for run_id, run in read.items()
+        for trained, values in sorted(run.evaluations.items())
+    ]
+    atomic_write_text(out / METRICS_NAME, "".join(json.dumps(line) + "\n" for line in tagged))
+    grids = out / "grids"
+    grids.mkdir(exist_ok=True)
+    for run in read.values():
+        for trained in sorted(run.grids)[:1] + sorted(run.grids)[-1:]:
+            name = f"{run.variant}_seed-{run.seed}_trained-{trained:04d}.png"
+            shutil.copyfile(run.grids[trained], grids / name)
+    summary = summarise(list(read.values()))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "table.md", (f"## {title}\n\n" if title else "") + table(summary))
+    plot(summary, out / "curves.png", title)
+    return summary

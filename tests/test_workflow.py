@@ -1,0 +1,245 @@
+"""The Snakemake workflow: targets parse, a reduced `all` runs end to end and reruns exactly
+what an edit touches, a killed run resumes to the same bytes, bad configs stop before any job.
+
+The reduced config mirrors config.yaml's `all` (two of its variants, a tiny toy world, two
+rounds) and runs in a temporary directory with the repository's Snakefile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jagg_pipeline.experiments import resolve_runs, stage_digest, workflow_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+TARGETS = (
+    "all",
+    "compare_modes",
+    "ablation_no_interp",
+    "sweep_jagg_frac",
+    "sweep_window",
+    "sweep_backbone",
+    "report",
+)
+REDUCED = {
+    "sampler": {"prompts_per_round": 2, "group_size": 4, "batch_size": 8},
+    "eval": {"max_prompts": 4, "samples_per_prompt": 1, "num_steps": 6, "every": 2},
+    "tracking": {"backend": "none"},
+    "workflow": {
+        "toyworld": {"steps": 30, "batch": 4, "clip_steps": 10},
+        "experiments": {
+            "all": {
+                "seeds": [0],
+                "overrides": {"train": {"rounds": 2}},
+                "variants": {
+                    "exact": {"jagg": {"mode": "exact"}},
+                    "jagg": {"jagg": {"mode": "jagg"}},
+                },
+            }
+        },
+    },
+}
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [*SNAKEMAKE, "--directory", str(workdir), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def write_config(workdir: Path, data: dict) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_committed_schema_is_the_packages():
+    committed = json.loads((ROOT / "workflow/schemas/config.schema.json").read_text())
+    assert committed == workflow_schema(), (
+        "regenerate: python -m jagg_pipeline config schema --workflow "
+        "--out workflow/schemas/config.schema.json"
+    )
+
+
+def test_config_yaml_sets_every_key_with_a_comment():
+    """config.yaml spells out every key of the base sections, each with a comment above it."""
+    from jagg_pipeline.config import ExperimentConfig
+    from jagg_pipeline.configtools import to_dict
+
+    text = (ROOT / "config.yaml").read_text()
+    data = yaml.safe_load(text)
+    base = {k: v for k, v in data.items() if k != "workflow"}
+
+    def keys(tree: dict, prefix: str = "") -> set[str]:
+        found = set()
+        for key, value in tree.items():
+            found.add(prefix + key)
+            if isinstance(value, dict) and not key.endswith("weights"):
+                found |= keys(value, f"{prefix}{key}.")
+        return found
+
+    assert keys(base) == keys(to_dict(ExperimentConfig()))
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("workflow:"))
+    for i, line in enumerate(lines[:start]):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert lines[i - 1].lstrip().startswith("#"), f"config.yaml:{i + 1} {line!r}"
+    assert set(resolve_runs(data)) >= {"all/exact/seed-0", "compare_modes/jagg_0.6/seed-2"}
+
+
+def test_every_named_target_dry_runs(tmp_path):
+    shutil.copy(ROOT / "config.yaml", tmp_path / "config.yaml")
+    for target in TARGETS:
+        result = snakemake(tmp_path, target, "--dry-run", "--quiet", "rules", timeout=120)
+        assert result.returncode == 0, (target, result.stderr[-2000:])
+    sweep = snakemake(tmp_path, "--dry-run", "sweep_jagg_frac", timeout=120).stdout
+    for value in ("0.0", "0.5", "1.0"):
+        assert f"results/sweep_jagg_frac/jagg_frac-{value}/seed-0/round-0009/checkpoint" in sweep
+
+
+def test_stage_digests_cover_exactly_what_each_stage_reads():
+    data = {**REDUCED, "workflow": REDUCED["workflow"]}
+    runs = resolve_runs(data)
+    config = runs["all/jagg/seed-0"].config
+    edited = resolve_runs(
+        {**data, "jagg": {"jagg_frac": 0.5}, "eval": {**REDUCED["eval"], "num_steps": 8}}
+    )["all/jagg/seed-0"].config
+    changed = {
+        s
+        for s in ("rollout", "score", "train", "evaluate")
+        if stage_digest(config, s) != stage_digest(edited, s)
+    }
+    assert changed == {"train", "evaluate"}
+
+
+BAD_CONFIGS = {
+    "sampler.group_size": {"sampler": {"group_size": "eight"}},
+    "sampler.nope": {"sampler": {"nope": 1}},
+    "workflow.experiments.all.sweep": {
+        "workflow": {"experiments": {"all": {"sweep": {"values": [1]}}}}
+    },
+    "jagg.jagg_frac": {
+        "workflow": {"experiments": {"all": {"variants": {"x": {"jagg": {"jagg_frac": 1.5}}}}}}
+    },
+    "jagg.window": {"jagg": {"window": 1}},
+    "sweep.values": {
+        "workflow": {"experiments": {"all": {"sweep": {"key": "jagg.window", "values": []}}}}
+    },
+    "jagg.typo": {"workflow": {"experiments": {"all": {"variants": {"x": {"jagg": {"typo": 1}}}}}}},
+}
+
+
+@pytest.mark.parametrize("key", BAD_CONFIGS)
+def test_bad_configs_stop_before_any_job_naming_the_key(tmp_path, key):
+    write_config(tmp_path, BAD_CONFIGS[key])
+    result = snakemake(tmp_path, "--cores", "1", "all", timeout=120)
+    assert result.returncode != 0
+    leaf = key.rsplit(".", 1)[-1]
+    assert leaf in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "results").exists()  # nothing ran, nothing was written
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _without_times(metrics: bytes) -> list[dict]:
+    rows = [json.loads(line) for line in metrics.decode().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith("time.")} for row in rows]
+
+
+def _same_checkpoint(got: dict[str, bytes], want: dict[str, bytes]) -> None:
+    assert set(got) == set(want)
+    for name in got:
+        if name == "metrics.jsonl":
+            assert _without_times(got[name]) == _without_times(want[name])
+        else:
+            assert got[name] == want[name], name
+
+
+def _mtimes(folder: Path) -> dict[str, float]:
+    return {p.as_posix(): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_kill(tmp_path):
+    write_config(tmp_path, REDUCED)
+    first = snakemake(tmp_path, "--cores", "2", "all")
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = tmp_path / "results" / "all"
+    for variant in ("exact", "jagg"):
+        run = results / variant / "seed-0"
+        assert (run / "config.yaml").is_file()
+        for n in ("0000", "0002"):
+            assert (run / f"eval/trained-{n}/metrics.json").is_file()
+        assert (run / "round-0001/checkpoint/manifest.json").is_file()
+    table = (results / "summary/table.md").read_text()
+    assert "| exact | 1 |" in table and "| jagg | 1 |" in table
+    assert (results / "summary/curves.png").stat().st_size > 0
+    final = {v: _files(results / v / "seed-0/round-0001/checkpoint") for v in ("exact", "jagg")}
+
+    # A second run has nothing to do.
+    again = snakemake(tmp_path, "--cores", "2", "all")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+    # Kill snakemake and its jobs while the last training round of `exact` runs, then resume.
+    shutil.rmtree(results / "exact/seed-0/round-0001")
+    log = tmp_path / "results/logs/all/exact/seed-0/round-0001/train.log"
+    log.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [*SNAKEMAKE, "--directory", str(tmp_path), "--cores", "2", "all"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.monotonic() + 300
+    while not log.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert log.is_file(), "the training job never started"
+    time.sleep(3)  # into the job: importing, loading, or training
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert snakemake(tmp_path, "--unlock").returncode == 0
+    resumed = snakemake(tmp_path, "--cores", "2", "--rerun-incomplete", "all")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_checkpoint(_files(results / "exact/seed-0/round-0001/checkpoint"), final["exact"])
+
+    # Editing one variant's jagg_frac reruns that variant's training (and what follows it).
+    before = {v: _mtimes(results / v / "seed-0") for v in ("exact", "jagg")}
+    edited = json.loads(json.dumps(REDUCED))
+    edited["workflow"]["experiments"]["all"]["variants"]["jagg"]["jagg"]["jagg_frac"] = 0.5
+    write_config(tmp_path, edited)
+    rerun = snakemake(tmp_path, "--cores", "2", "all")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _mtimes(results / "exact/seed-0") == before["exact"]
+    after = _mtimes(results / "jagg/seed-0")
+    changed = {
+        Path(p).relative_to(results / "jagg/seed-0").parts[0:2]
+        for p in after
+        if after[p] != before["jagg"].get(p)
+    }
+    assert ("round-0000", "checkpoint") in changed
+    assert ("round-0000", "rollout") not in changed  # sampling reads no jagg setting
+    assert ("eval", "trained-0000") not in changed  # the base policy is the same

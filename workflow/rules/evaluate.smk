@@ -1,0 +1,26 @@
+# Held-out evaluation of the policy after `trained` rounds (0: the base policy).
+
+
+rule evaluate:
+    input:
+        unpack(evaluate_inputs),
+    output:
+        metrics=directory(f"{RUN}/eval/trained-{{trained}}"),
+    log:
+        f"{LOGS}/{JOB}/eval/trained-{{trained}}.log",
+    benchmark:
+        f"{BENCHMARKS}/{JOB}/eval/trained-{{trained}}.tsv"
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=60,
+        gpus=stage_gpus,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        config=run_config_file,
+        policy=evaluate_policy,
+        digest=evaluate_digest,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline evaluate --config {params.config}"
+        " --policy {params.policy} --out {output.metrics} > {log} 2>&1"

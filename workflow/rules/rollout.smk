@@ -1,0 +1,27 @@
+# Round r samples a rollout from the policy after r rounds (the base policy at r = 0).
+
+
+rule rollout:
+    input:
+        unpack(rollout_inputs),
+    output:
+        directory(f"{RUN}/round-{{round}}/rollout"),
+    log:
+        f"{LOGS}/{JOB}/round-{{round}}/rollout.log",
+    benchmark:
+        f"{BENCHMARKS}/{JOB}/round-{{round}}/rollout.tsv"
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=60,
+        gpus=stage_gpus,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        config=run_config_file,
+        policy=rollout_policy,
+        digest=rollout_digest,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline rollout --config {params.config}"
+        " --policy {params.policy} --round {wildcards.round}"
+        " --out {output} > {log} 2>&1"

@@ -1,0 +1,25 @@
+# Every configured reward on a round's rollout, and the group advantages.
+
+
+rule score:
+    input:
+        rollouts=f"{RUN}/round-{{round}}/rollout",
+    output:
+        directory(f"{RUN}/round-{{round}}/scores"),
+    log:
+        f"{LOGS}/{JOB}/round-{{round}}/score.log",
+    benchmark:
+        f"{BENCHMARKS}/{JOB}/round-{{round}}/score.tsv"
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=30,
+        gpus=stage_gpus,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        config=run_config_file,
+        digest=score_digest,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline score --config {params.config}"
+        " --rollouts {input.rollouts} --out {output} > {log} 2>&1"

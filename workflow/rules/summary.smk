@@ -1,0 +1,44 @@
+# An experiment's runs compared: one metrics table (what the tracking rule pushes), the
+# markdown table and the curves.
+
+
+rule summary:
+    input:
+        summary_inputs,
+    output:
+        table=report(
+            f"{RESULTS}/{{experiment}}/summary/table.md",
+            caption="../report/table.rst",
+            category="comparison",
+            subcategory="{experiment}",
+        ),
+        curves=report(
+            f"{RESULTS}/{{experiment}}/summary/curves.png",
+            caption="../report/curves.rst",
+            category="comparison",
+            subcategory="{experiment}",
+        ),
+        grids=report(
+            directory(f"{RESULTS}/{{experiment}}/summary/grids"),
+            patterns=["{name}.png"],
+            caption="../report/grids.rst",
+            category="evaluation grids",
+            subcategory="{experiment}",
+        ),
+        metrics=f"{RESULTS}/{{experiment}}/summary/metrics.jsonl",
+        summary=f"{RESULTS}/{{experiment}}/summary/summary.json",
+    log:
+        f"{LOGS}/{{experiment}}/summary.log",
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpus=0,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        runs=summary_arguments,
+        out=summary_folder,
+    shell:
+        "{params.python} -m jagg_pipeline summarize {params.runs} --title {wildcards.experiment}"
+        " --out {params.out} > {log} 2>&1"

@@ -1,0 +1,60 @@
+# The embedded toy world: the toy CLIP once, then one pretrained toy DiT per family that a
+# run's backbone.path points at (<toyworld root>/<family>).
+
+
+rule toyworld_clip:
+    output:
+        directory(f"{TOYWORLD}/clip"),
+    log:
+        f"{LOGS}/toyworld/clip.log",
+    benchmark:
+        f"{BENCHMARKS}/toyworld/clip.tsv"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=30,
+        gpus=0,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        root=parent_folder,
+        seed=WORKFLOW.toyworld.seed,
+        clip_steps=WORKFLOW.toyworld.clip_steps,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline toyworld clip --out {params.root}"
+        " --seed {params.seed} --clip-steps {params.clip_steps} --quiet > {log} 2>&1"
+
+
+rule toyworld_backbone:
+    input:
+        clip=f"{TOYWORLD}/clip",
+    output:
+        checkpoint=directory(f"{TOYWORLD}/{{family}}"),
+        report=f"{TOYWORLD}/report-{{family}}.json",
+        samples=report(
+            f"{TOYWORLD}/samples-{{family}}.png",
+            caption="../report/toyworld.rst",
+            category="toy world",
+        ),
+        loss=f"{TOYWORLD}/loss-{{family}}.png",
+    log:
+        f"{LOGS}/toyworld/{{family}}.log",
+    benchmark:
+        f"{BENCHMARKS}/toyworld/{{family}}.tsv"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+        gpus=0,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        root=parent_folder,
+        seed=WORKFLOW.toyworld.seed,
+        steps=WORKFLOW.toyworld.steps,
+        batch=WORKFLOW.toyworld.batch,
+        clip_steps=WORKFLOW.toyworld.clip_steps,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline toyworld build --out {params.root}"
+        " --backbone {wildcards.family} --seed {params.seed} --steps {params.steps}"
+        " --batch {params.batch} --clip-steps {params.clip_steps} --quiet > {log} 2>&1"

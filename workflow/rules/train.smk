@@ -1,0 +1,27 @@
+# One GRPO round on a scored rollout; its checkpoint is the next round's policy.
+
+
+rule train:
+    input:
+        unpack(train_inputs),
+    output:
+        directory(f"{RUN}/round-{{round}}/checkpoint"),
+    log:
+        f"{LOGS}/{JOB}/round-{{round}}/train.log",
+    benchmark:
+        f"{BENCHMARKS}/{JOB}/round-{{round}}/train.tsv"
+    threads: 1
+    resources:
+        mem_mb=16000,
+        runtime=120,
+        gpus=train_gpus,
+        cpus_per_task=1,
+    params:
+        config=run_config_file,
+        policy=rollout_policy,
+        launcher=train_launcher,
+        digest=train_digest,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.launcher} -m jagg_pipeline train"
+        " --config {params.config} --policy {params.policy} --rollouts {input.rollouts}"
+        " --rewards {input.scores} --out {output} > {log} 2>&1"
