@@ -44,7 +44,7 @@ rule all:
 
 
 rule compare_modes:
-    """The gradient modes at full length, 3 seeds."""
+    """The same three modes at the RL testbed's length, 3 seeds."""
     input:
         experiment_target("compare_modes"),
 

@@ -89,6 +89,10 @@ class WorkflowConfig:
     experiments: dict[str, Experiment] = field(
         default_factory=dict, help="target name -> experiment"
     )
+    container: str = field(
+        "containers/jagg-pipeline.sif",
+        help="the image every rule runs in under --sdm apptainer (build it from containers/)",
+    )
     report: list[str] = field(
         default_factory=lambda: ["all"], help="experiments the `report` target collects"
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -27,30 +27,18 @@ from jagg_pipeline.backbones import (
     build_analytic,
     load_tiny_backbone,
 )
+from jagg_pipeline.gradcheck_settings import (
+    BACKBONES,
+    DTYPE_NAMES,
+    TRAJECTORIES,
+    GradcheckSettings,
+)
 from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
 
-BACKBONES: tuple[str, ...] = ANALYTIC_BACKBONES + TINY_BACKBONES
-TRAJECTORIES: tuple[str, ...] = ("chord", "sde")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass
-class GradcheckSettings:
-    """Everything the diagnostic depends on (defaults: Flow-GRPO on an SD3.5-like schedule)."""
-
-    backbone: str = "affine"
-    window: int = 4
-    trajectory: Literal["chord", "sde"] = "chord"
-    dtype: str = "float64"
-    jagg_frac: float = 1.0
-    num_steps: int = 10
-    batch: int = 4
-    shift: float = 3.0
-    noise_level: float = 0.7
-    clip_range: float = 1e-4
-    weights: jagg.Weights = "time"
-    no_interp: jagg.NoInterpVariant = "drop"
-    seed: int = 0
+# The command line offers these without importing torch; they must name what exists here.
+assert BACKBONES == ANALYTIC_BACKBONES + TINY_BACKBONES
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 def _chord_latents(

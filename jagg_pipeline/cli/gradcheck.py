@@ -25,7 +25,12 @@ HELP = "compare JAGG and no-interp gradients with the exact GRPO gradient, per w
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``gradcheck`` subcommand."""
-    from jagg_pipeline.gradcheck import BACKBONES, DTYPES, TRAJECTORIES, GradcheckSettings
+    from jagg_pipeline.gradcheck_settings import (
+        BACKBONES,
+        DTYPE_NAMES,
+        TRAJECTORIES,
+        GradcheckSettings,
+    )
 
     defaults = GradcheckSettings()
     p = sub.add_parser(
@@ -60,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="'chord': the straight path (1 - sigma) x0 + sigma eps; 'sde': a Flow-GRPO SDE "
         "rollout of the backbone (off the chord)",
     )
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype, help="model precision")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.dtype, help="model precision")
     p.add_argument(
         "--jagg-frac",
         type=_fraction,

@@ -46,22 +46,17 @@ def _set_flag(text: str) -> tuple[str, str, Any]:
     return name, field, yaml.safe_load(value)
 
 
-class _HelpWithRewards(argparse.Action):
-    """``--help`` that lists the rewards: their registry imports torch, so only when asked."""
-
-    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        parser.epilog = _epilog()
-        parser.print_help()
-        parser.exit()
-
-
 def _epilog() -> str:
-    from jagg_pipeline.rewards import REWARDS
+    import typing
 
+    from jagg_pipeline.config import REWARD_NAMES, RewardsSpec
+
+    specs = typing.get_type_hints(RewardsSpec)
+    fields = {f.name: f for f in dataclasses.fields(RewardsSpec)}
     lines = ["rewards (settings: --set NAME.FIELD=VALUE, or the rewards file):"]
-    for info in REWARDS.values():
-        lines.append(f"  {info.name}: {info.summary}")
-        for f in dataclasses.fields(info.spec_type):
+    for name in REWARD_NAMES:
+        lines.append(f"  {name}: {fields[name].metadata['help']}")
+        for f in dataclasses.fields(specs[name]):
             lines.append(f"      {f.name} (default {f.default!r})")
     lines += [
         "",
@@ -117,15 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             fine (they are batched by size). Or score a rollout directory with the rewards of
             an experiment config (--rollouts, --config): see the end of this help."""
         ),
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=False,
-    )
-    p.add_argument(
-        "-h",
-        "--help",
-        action=_HelpWithRewards,
-        nargs=0,
-        help="show this help, with every registered reward and its settings, and exit",
     )
     inputs = p.add_argument_group("inputs (folder mode)")
     inputs.add_argument(

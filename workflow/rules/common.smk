@@ -22,8 +22,10 @@ RESULTS = WORKFLOW.results
 TOYWORLD = WORKFLOW.toyworld.root
 LOGS = f"{RESULTS}/logs"
 BENCHMARKS = f"{RESULTS}/benchmarks"
-# The interpreter running Snakemake runs the stages too (the project's virtual environment).
-PYTHON = sys.executable
+# Without --sdm the interpreter running Snakemake runs the stages too (the project's virtual
+# environment); with conda or apptainer, the environment's own python does.
+PYTHON = "python" if workflow.deployment_settings.deployment_method else sys.executable
+CONTAINER = WORKFLOW.container
 RUN = f"{RESULTS}/{{experiment}}/{{variant}}/seed-{{seed}}"
 JOB = "{experiment}/{variant}/seed-{seed}"
 TOY_FAMILIES = ("flux", "qwenimage", "sd3")

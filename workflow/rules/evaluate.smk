@@ -10,6 +10,10 @@ rule evaluate:
         f"{LOGS}/{JOB}/eval/trained-{{trained}}.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/eval/trained-{{trained}}.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=8000,

@@ -10,6 +10,10 @@ rule rollout:
         f"{LOGS}/{JOB}/round-{{round}}/rollout.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/round-{{round}}/rollout.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=8000,

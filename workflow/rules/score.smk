@@ -10,6 +10,10 @@ rule score:
         f"{LOGS}/{JOB}/round-{{round}}/score.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/round-{{round}}/score.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=8000,

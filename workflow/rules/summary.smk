@@ -29,6 +29,10 @@ rule summary:
         summary=f"{RESULTS}/{{experiment}}/summary/summary.json",
     log:
         f"{LOGS}/{{experiment}}/summary.log",
+    conda:
+        "../../envs/summary.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=2000,

@@ -9,6 +9,10 @@ rule toyworld_clip:
         f"{LOGS}/toyworld/clip.log",
     benchmark:
         f"{BENCHMARKS}/toyworld/clip.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=4000,
@@ -41,6 +45,10 @@ rule toyworld_backbone:
         f"{LOGS}/toyworld/{{family}}.log",
     benchmark:
         f"{BENCHMARKS}/toyworld/{{family}}.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=4000,

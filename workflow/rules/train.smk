@@ -10,6 +10,10 @@ rule train:
         f"{LOGS}/{JOB}/round-{{round}}/train.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/round-{{round}}/train.tsv"
+    conda:
+        "../../envs/pipeline.yaml"
+    container:
+        CONTAINER
     threads: 1
     resources:
         mem_mb=16000,
