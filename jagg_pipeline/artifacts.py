@@ -119,8 +119,10 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def metrics_record(stage: str, round_index: int, step: int, values: Mapping[str, Any]) -> dict:
-    """One flat metrics line: stage, round, step, then ``values`` with nested keys dotted."""
+def metrics_record(
+    stage: str, round_index: int | None, step: int, values: Mapping[str, Any]
+) -> dict:
+    """One flat metrics line: stage, round (None: unknown), step, then ``values`` dotted."""
     record: dict[str, Any] = {"stage": stage, "round": round_index, "step": step}
     _flatten(values, "", record)
     return record
@@ -129,7 +131,7 @@ def metrics_record(stage: str, round_index: int, step: int, values: Mapping[str,
 def append_metrics(
     folder: str | os.PathLike[str],
     stage: str,
-    round_index: int,
+    round_index: int | None,
     step: int,
     values: Mapping[str, Any],
 ) -> None:

@@ -136,8 +136,8 @@ def write_checkpoint(
     """
     from safetensors.torch import save_file
 
+    from jagg_pipeline.manifest import finish_output
     from jagg_pipeline.policy import save_policy
-    from jagg_pipeline.rollout import finish_output
 
     _check_finite(contents)
     target = Path(target)

@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from jagg_pipeline.errors import InputError
+
 T = TypeVar("T")
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 # A number written as text: PyYAML (YAML 1.1) reads ``1e-4`` (no dot) as a string. Letters other
@@ -30,7 +32,7 @@ NUMBER_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 _BOUNDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem; the message names the key (and the file when known)."""
 
 

@@ -10,7 +10,8 @@ PNGs reproduces them). The same checkpoint and config give the same metrics, bit
 
 Output directory: ``metrics.json`` (mean and std per metric, per-prompt means),
 ``samples.jsonl`` (one row per image: file, prompt, seed, scores), ``images/PPPP_SS.png``,
-``grid.png`` (one row per prompt, its text and scores beside it), ``config.yaml``,
+``grid.png`` (one row per prompt, its text and scores beside it), ``metrics.jsonl`` (one flat
+line: round = rounds trained behind the policy, each metric's mean and std), ``config.yaml``,
 ``manifest.json``.
 """
 
@@ -24,20 +25,13 @@ from typing import Any
 import torch
 
 from jagg_pipeline import sde
-from jagg_pipeline.artifacts import atomic_output, atomic_write_json
+from jagg_pipeline.artifacts import METRICS_NAME, append_metrics, atomic_output, atomic_write_json
 from jagg_pipeline.backbones import Backbone
+from jagg_pipeline.manifest import begin_output, finish_output, stage_inputs
 from jagg_pipeline.plots import save_image_grid
 from jagg_pipeline.prompts import resolve_prompts
 from jagg_pipeline.rewards import load_reward
-from jagg_pipeline.rollout import (
-    RolloutPlan,
-    begin_output,
-    derive_seed,
-    finish_output,
-    micro_batches,
-    sample_batches,
-    stage_inputs,
-)
+from jagg_pipeline.rollout import RolloutPlan, derive_seed, micro_batches, sample_batches
 from jagg_pipeline.scoring import reward_columns
 from jagg_pipeline.tables import write_table
 
@@ -157,6 +151,26 @@ def write_evaluation(
     return report
 
 
+def trained_rounds(policy: str | Path) -> int | None:
+    """Rounds of training behind ``policy`` (0: the base; None: weights without a trainer)."""
+    from jagg_pipeline import checkpoint
+    from jagg_pipeline.policy import BASE
+
+    if str(policy) == BASE:
+        return 0
+    if not (Path(policy) / checkpoint.TRAINER_DIR / checkpoint.STATE_FILE).is_file():
+        return None
+    return checkpoint.read_trainer_state(policy).round + 1
+
+
+def _metric_values(metrics: dict[str, Any]) -> dict[str, float]:
+    values = {}
+    for name, stats in metrics.items():
+        values[name] = stats["mean"]
+        values[f"{name}_std"] = stats["std"]
+    return values
+
+
 def run_evaluate(
     config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
 ) -> dict[str, Any]:
@@ -168,7 +182,7 @@ def run_evaluate(
     backbone = load_policy(config, policy, local_device(config.backbone.device))
     evaluation = evaluate(config, backbone, progress)
     out.mkdir(parents=True, exist_ok=True)
-    begin_output(out, (f"{IMAGES_DIR}/*.png",))
+    begin_output(out, (f"{IMAGES_DIR}/*.png", METRICS_NAME))
     ev = config.eval
     info = {
         "policy": str(policy),
@@ -179,6 +193,7 @@ def run_evaluate(
         "seed": ev.seed,
     }
     report = write_evaluation(evaluation, out, info)
+    append_metrics(out, STAGE, trained_rounds(policy), 0, _metric_values(report["metrics"]))
     finish_output(
         out,
         config,

@@ -1,12 +1,14 @@
-"""Manifests: what produced an output, so a stage can refuse inputs that do not fit.
+"""The stage I/O contract: an output begun, finished with its resolved config and manifest.
 
-Every stage output has a small JSON manifest beside it: ``DIR/manifest.json`` for a directory
-output (rollouts, checkpoints, evaluations), ``FILE.manifest.json`` for a file output (score
-tables). It records the stage, the package version, the digest of the whole config and of each
-section, the seeds, and the digest of every input. A consumer checks the sections it depends on
-(:func:`check_input`): the training stage, for instance, refuses rollouts sampled under a
-different ``backbone`` or ``sampler`` section, or scores computed from other rollouts, and the
-error names the file.
+Every stage output has a small JSON manifest: ``DIR/manifest.json`` for a directory output
+(every pipeline stage), ``FILE.manifest.json`` for a file output (folder-mode score tables).
+It records the stage, the package version, the digest of the whole config and of each
+section, the seeds, and the digest of every input. :func:`begin_output` marks an output
+unfinished (manifest removed, stale files cleared); :func:`finish_output` writes the resolved
+``config.yaml`` and then the manifest, the mark of a finished output. A consumer checks the
+sections it depends on (:func:`check_input`): the training stage, for instance, refuses
+rollouts sampled under a different ``backbone`` or ``sampler`` section, or scores computed
+from other rollouts, and the error names the file.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jagg_pipeline import __version__
-from jagg_pipeline.artifacts import atomic_write_json
-from jagg_pipeline.configtools import digest
+from jagg_pipeline.artifacts import atomic_write_json, atomic_write_text
+from jagg_pipeline.configtools import digest, to_dict
+from jagg_pipeline.errors import InputError
 
 MANIFEST_NAME = "manifest.json"
+CONFIG_NAME = "config.yaml"
 
 
-class ManifestError(ValueError):
+class ManifestError(InputError):
     """An input's manifest is missing or does not match what the consuming stage expects."""
 
 
@@ -142,3 +146,55 @@ def check_derived_from(
             f"{path}: was not computed from {source} (its manifest's input {name!r} is "
             f"{recorded['path'] if recorded else 'missing'} with another digest)"
         )
+
+
+def resolved_config_path(output: str | Path) -> Path:
+    """Where the resolved config of ``output`` lives (``config.yaml`` inside a directory)."""
+    output = Path(output)
+    if output.is_dir() or not output.suffix:
+        return output / CONFIG_NAME
+    return output.with_name(output.name + ".config.yaml")
+
+
+def begin_output(output: str | Path, stale: Sequence[str] = ()) -> None:
+    """Mark ``output`` unfinished: drop its manifest and the files matching ``stale`` globs.
+
+    An output without a manifest is never taken as finished, and files a previous run left
+    (more shards, more images) cannot leak in. A directory output must exist already.
+    """
+    output = Path(output)
+    manifest_path(output).unlink(missing_ok=True)
+    for pattern in stale:
+        for path in output.glob(pattern):
+            path.unlink()
+
+
+def finish_output(
+    output: str | Path,
+    config: Any,
+    *,
+    stage: str,
+    seeds: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, str | Path] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the resolved config beside ``output``, then its manifest (last: it marks done)."""
+    import yaml
+
+    atomic_write_text(
+        resolved_config_path(output), yaml.safe_dump(to_dict(config), sort_keys=False)
+    )
+    return write_manifest(
+        output, stage=stage, config=config, seeds=seeds, inputs=inputs, extra=extra
+    )
+
+
+def stage_inputs(source: str | Path, policy: str | Path) -> dict[str, Path]:
+    """Manifest inputs of a sampling stage: the prompt file and the policy's weights, if any."""
+    from jagg_pipeline.policy import BASE, policy_weights_dir
+    from jagg_pipeline.prompts import TOY_SOURCES
+
+    inputs = {} if str(source) in TOY_SOURCES else {"prompts": Path(source)}
+    if str(policy) != BASE:
+        inputs["policy"] = policy_weights_dir(policy)
+    return inputs

@@ -25,6 +25,7 @@ import torch
 
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.backbones import lora as lora_files
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import check_input
 
 BASE = "base"
@@ -32,7 +33,7 @@ POLICY_DIR = "policy"
 FULL_WEIGHTS = "transformer.safetensors"
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError):
     """A ``--policy`` is neither ``base`` nor a usable checkpoint directory."""
 
 

@@ -24,6 +24,7 @@ The ``score`` and ``evaluate`` stages reuse these pieces.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +33,15 @@ from typing import Any
 import torch
 
 from jagg_pipeline import sde
-from jagg_pipeline.artifacts import atomic_write_text
+from jagg_pipeline.artifacts import METRICS_NAME, append_metrics
 from jagg_pipeline.backbones import Backbone
-from jagg_pipeline.configtools import to_dict
-from jagg_pipeline.manifest import manifest_path, write_manifest
-from jagg_pipeline.prompts import TOY_SOURCES, draw_prompts, resolve_prompts
+from jagg_pipeline.errors import InputError
+from jagg_pipeline.manifest import begin_output, finish_output, stage_inputs
+from jagg_pipeline.prompts import draw_prompts, resolve_prompts
 from jagg_pipeline.rewards.base import to_uint8
 from jagg_pipeline.trajectories import TrajectoryBatch, concatenate
 
 STAGE = "rollout"
-CONFIG_NAME = "config.yaml"
 SHARD_FILES = ("shard-*.safetensors", "shard-*.json")
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def sample_rollout(
     """Sample ``rank``'s share of ``plan`` with ``backbone`` (the whole plan on one rank)."""
     share = plan.share(rank, world_size)
     if not share:
-        raise ValueError(
+        raise InputError(
             f"rank {rank} of {world_size} has no work: the rollout has only "
             f"{len(plan.micro_batches)} micro-batches; use fewer processes or a smaller "
             "sampler.batch_size"
@@ -249,57 +249,6 @@ def sample_rollout(
 # --------------------------------------------------------------------------------------------
 # Stage outputs
 # --------------------------------------------------------------------------------------------
-
-
-def resolved_config_path(output: str | Path) -> Path:
-    """Where the resolved config of ``output`` lives (``config.yaml`` inside a directory)."""
-    output = Path(output)
-    if output.is_dir() or not output.suffix:
-        return output / CONFIG_NAME
-    return output.with_name(output.name + ".config.yaml")
-
-
-def begin_output(output: str | Path, stale: Sequence[str] = ()) -> None:
-    """Mark ``output`` unfinished: drop its manifest and the files matching ``stale`` globs.
-
-    An output without a manifest is never taken as finished, and files a previous run left
-    (more shards, more images) cannot leak in. A directory output must exist already.
-    """
-    output = Path(output)
-    manifest_path(output).unlink(missing_ok=True)
-    for pattern in stale:
-        for path in output.glob(pattern):
-            path.unlink()
-
-
-def finish_output(
-    output: str | Path,
-    config: Any,
-    *,
-    stage: str,
-    seeds: Mapping[str, Any] | None = None,
-    inputs: Mapping[str, str | Path] | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> Path:
-    """Write the resolved config beside ``output``, then its manifest (last: it marks done)."""
-    import yaml
-
-    atomic_write_text(
-        resolved_config_path(output), yaml.safe_dump(to_dict(config), sort_keys=False)
-    )
-    return write_manifest(
-        output, stage=stage, config=config, seeds=seeds, inputs=inputs, extra=extra
-    )
-
-
-def stage_inputs(source: str | Path, policy: str | Path) -> dict[str, Path]:
-    """Manifest inputs of a sampling stage: the prompt file and the policy's weights, if any."""
-    from jagg_pipeline.policy import BASE, policy_weights_dir
-
-    inputs = {} if str(source) in TOY_SOURCES else {"prompts": Path(source)}
-    if str(policy) != BASE:
-        inputs["policy"] = policy_weights_dir(policy)
-    return inputs
 
 
 def run_rollout(
@@ -328,11 +277,16 @@ def run_rollout(
         backbone = load_policy(config, policy, ctx.device)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            begin_output(out, SHARD_FILES)
+            begin_output(out, (*SHARD_FILES, METRICS_NAME))
         barrier()
+        start = time.perf_counter()
         sample_rollout(backbone, plan, rank, world_size, progress and rank == 0).save(out, rank)
         barrier()
         if rank == 0:
+            seconds = time.perf_counter() - start
+            append_metrics(
+                out, STAGE, round_index, 0, {"samples": len(plan.seeds), "seconds": seconds}
+            )
             finish_output(
                 out,
                 config,

@@ -24,9 +24,8 @@ import torch
 
 from jagg_pipeline.artifacts import METRICS_NAME, append_metrics, atomic_write_json
 from jagg_pipeline.grpo import group_advantages
-from jagg_pipeline.manifest import check_input
+from jagg_pipeline.manifest import begin_output, check_input, finish_output
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
-from jagg_pipeline.rollout import begin_output, finish_output
 from jagg_pipeline.tables import write_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 

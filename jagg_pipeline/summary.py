@@ -3,7 +3,7 @@
 Reads only finished stage folders of the run layout (:mod:`jagg_pipeline.experiments`):
 ``round-<r>/scores/metrics.jsonl`` (training reward of each round's rollout),
 ``round-<r>/checkpoint/metrics.jsonl`` (one line per optimizer step) and
-``eval/trained-<n>/metrics.json`` (held-out metrics after n rounds). Writes
+``eval/trained-<n>/`` (held-out metrics after n rounds: ``metrics.jsonl``, ``metrics.json``). Writes
 ``metrics.jsonl`` (every line of every run, tagged with experiment, variant and seed: the table
 the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: evaluation base
 -> final, rise, training reward, update-stage seconds per round) and ``curves.png`` (evaluation
@@ -50,11 +50,12 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     directory = Path(directory)
     run = RunMetrics(variant, seed)
     for round_dir in sorted(directory.glob("round-*")):
-        for stage in ("scores", "checkpoint"):
+        for stage in ("rollout", "scores", "checkpoint"):
             path = round_dir / stage / METRICS_NAME
             if path.is_file():
                 run.lines.extend(_jsonl(path))
     for eval_dir in sorted(directory.glob("eval/trained-*")):
+        run.lines.extend(_jsonl(eval_dir / METRICS_NAME))
         report = json.loads((eval_dir / "metrics.json").read_text())
         trained = int(eval_dir.name.removeprefix("trained-"))
         run.evaluations[trained] = {name: v["mean"] for name, v in report["metrics"].items()}
@@ -197,19 +198,6 @@ def write_summary(
         {"run": run_id, "variant": run.variant, "seed": run.seed, **line}
         for run_id, run in read.items()
         for line in run.lines
-    ]
-    tagged += [
-        {
-            "run": run_id,
-            "variant": run.variant,
-            "seed": run.seed,
-            "stage": "evaluate",
-            "round": trained,
-            "step": 0,
-            **values,
-        }
-        for run_id, run in read.items()
-        for trained, values in sorted(run.evaluations.items())
     ]
     atomic_write_text(out / METRICS_NAME, "".join(json.dumps(line) + "\n" for line in tagged))
     grids = out / "grids"

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from jagg_pipeline.artifacts import atomic_output, atomic_write_text
+from jagg_pipeline.errors import InputError
 
 TABLE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 WRITE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
 
-class TableError(ValueError):
+class TableError(InputError):
     """A table file is missing, malformed or lacks the requested column."""
 
 

@@ -45,6 +45,7 @@ import torch
 
 from jagg_pipeline import checkpoint as ckpt
 from jagg_pipeline import distributed, jagg
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
 from jagg_pipeline.objective import GRPOStepLoss
 from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
@@ -55,7 +56,7 @@ from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 _TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
 
 
-class TrainInputError(ValueError):
+class TrainInputError(InputError):
     """The rollouts, score table or policy do not fit together or the config; names the file."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from jagg_pipeline.artifacts import atomic_output, atomic_write_json
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.sde import StepMasks
 
 COND_PREFIX = "cond."
@@ -185,16 +186,16 @@ def load_rollout(directory: str | Path) -> TrajectoryBatch:
         if (m := _SHARD.match(p.name))
     )
     if not shards:
-        raise FileNotFoundError(f"{directory}: no shard-<rank>.safetensors files (not a rollout?)")
+        raise InputError(f"{directory}: no shard-<rank>.safetensors files (not a rollout?)")
     ranks = [rank for rank, _ in shards]
     if ranks != list(range(len(ranks))):
-        raise FileNotFoundError(f"{directory}: shards {ranks} are not 0..{len(ranks) - 1}")
+        raise InputError(f"{directory}: shards {ranks} are not 0..{len(ranks) - 1}")
     batch = concatenate([TrajectoryBatch.load_shard(path) for _, path in shards])
     if batch.sample_ids is None:
         return batch
     order = torch.argsort(batch.sample_ids)
     if not torch.equal(batch.sample_ids[order], torch.arange(len(batch))):
-        raise ValueError(
+        raise InputError(
             f"{directory}: the shards' sample_ids are not 0..{len(batch) - 1} "
             "(a shard is missing, stale or duplicated; rerun the rollout)"
         )

@@ -70,7 +70,7 @@ def test_scores_a_folder_with_a_prompt_file(models, tmp_path):
         "--rewards",
         str(spec),
         "--set",
-        f"clipscore.model={models.hf_clip_dir}",
+        f"rewards.clipscore.model={models.hf_clip_dir}",
         "--batch-size",
         "1",
         "--out",
@@ -145,9 +145,9 @@ def test_manifest_input_and_table_formats(models, tmp_path, suffix):
         "--reward",
         "jpeg_compressibility=0",
         "--set",
-        f"pickscore.model={models.hf_clip_dir}",
+        f"rewards.pickscore.model={models.hf_clip_dir}",
         "--set",
-        f"pickscore.processor={models.hf_clip_dir}",
+        f"rewards.pickscore.processor={models.hf_clip_dir}",
         "--out",
         str(out),
     ]
@@ -180,7 +180,7 @@ def test_errors_are_clear(models, tmp_path, capsys):
                 "--reward",
                 "pickscore",
                 "--set",
-                "pickscore.model=/nowhere",
+                "rewards.pickscore.model=/nowhere",
             ]
         )
     with pytest.raises(SystemExit, match=r"rewards\.hpsv21\.batch_szie: unknown key"):
@@ -192,7 +192,7 @@ def test_errors_are_clear(models, tmp_path, capsys):
                 "--reward",
                 "hpsv21",
                 "--set",
-                "hpsv21.batch_szie=2",
+                "rewards.hpsv21.batch_szie=2",
             ]
         )
     assert not (tmp_path / "o.csv").exists()

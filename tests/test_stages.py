@@ -125,9 +125,12 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     assert sorted(p.name for p in rollouts.iterdir()) == [
         "config.yaml",
         "manifest.json",
+        "metrics.jsonl",
         "shard-0.json",
         "shard-0.safetensors",
     ]
+    (line,) = (rollouts / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["stage"] == "rollout" and json.loads(line)["samples"] == 6
     assert digest(yaml.safe_load((rollouts / "config.yaml").read_text())) == digest(config)
     manifest = check_input(rollouts, stage="rollout", config=config, sections=["sampler"])
     assert manifest["seeds"] == {"train": 0, "round": 0} and manifest["samples"] == 6
@@ -184,9 +187,9 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     }
     score_manifest = check_input(scores, stage="score", config=config)
     check_derived_from(scores, score_manifest, "rollouts", rollouts)
-    # --set sets a reward setting in rollout mode too; the resolved config records it.
+    # --set overrides a config key as in every command; the resolved config records it.
     lower = tmp_path / "q50"
-    main([*score, "--out", str(lower), "--set", "jpeg_compressibility.quality=50"])
+    main([*score, "--out", str(lower), "--set", "rewards.jpeg_compressibility.quality=50"])
     resolved = yaml.safe_load((lower / "config.yaml").read_text())
     assert resolved["rewards"]["jpeg_compressibility"] == {"quality": 50}
     q50 = pq.read_table(lower / "scores.parquet").column("jpeg_compressibility").to_pylist()
@@ -213,6 +216,14 @@ def test_rollout_score_evaluate_from_the_cli(tmp_path, checkpoints, capsys):
     per_image = [json.loads(line)["jpeg_compressibility"] for line in lines]
     assert metric["mean"] == pytest.approx(sum(per_image) / 4) and metric["std"] > 0
     assert read_manifest(first)["stage"] == "evaluate"
+    (line,) = (first / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line) == {
+        "stage": "evaluate",
+        "round": 0,
+        "step": 0,
+        "jpeg_compressibility": metric["mean"],
+        "jpeg_compressibility_std": metric["std"],
+    }
     assert "prompts" in read_manifest(first)["inputs"]  # the eval prompt file's digest
 
 

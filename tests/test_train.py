@@ -378,7 +378,7 @@ def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
     leftovers; an existing checkpoint is replaced whole."""
     import dataclasses
 
-    from jagg_pipeline import rollout
+    from jagg_pipeline import manifest
     from jagg_pipeline.backbones import load_backbone
 
     config = make_config(tiny_sd3)
@@ -398,16 +398,16 @@ def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
         return ckpt.write_checkpoint(target, backbone, contents(scale), **options)
 
     target = tmp_path / "ckpt"
-    original = rollout.finish_output
+    original = manifest.finish_output
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rollout, "finish_output", dies)
+    monkeypatch.setattr(manifest, "finish_output", dies)
     with pytest.raises(KeyboardInterrupt):
         write(1.0)
     assert not target.exists() and not staging_path(target).exists()
-    monkeypatch.setattr(rollout, "finish_output", original)
+    monkeypatch.setattr(manifest, "finish_output", original)
     # What a SIGKILL leaves (no cleanup runs): the next write clears it.
     for leftover in (staging_path(target), target.with_name(".ckpt.old")):
         (leftover / "trainer").mkdir(parents=True)

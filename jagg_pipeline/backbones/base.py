@@ -34,6 +34,7 @@ from torch import nn
 
 from jagg_pipeline.backbones import lora
 from jagg_pipeline.config import BackboneDtype, BackboneSpec, TrainingMode
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.sources import snapshot_dir
 
 NEGATIVE = "negative_"
@@ -70,7 +71,7 @@ HUB_PATTERNS = (
 )
 
 
-class BackboneLoadError(RuntimeError):
+class BackboneLoadError(InputError):
     """A checkpoint could not be found or does not fit the configured family."""
 
 

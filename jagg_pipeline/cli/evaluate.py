@@ -7,7 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from jagg_pipeline.cli.rollout import (
+from jagg_pipeline.cli.common import (
     add_config_arguments,
     add_policy_argument,
     load_stage_config,
@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
               samples.jsonl   one row per image: image, prompt_id, prompt, sample, seed, scores
               images/         PPPP_SS.png (prompt, sample)
               grid.png        one row per prompt, its text and mean scores beside it
+              metrics.jsonl   one flat line (stage, round = rounds trained, metric means/stds)
               config.yaml     the resolved config
               manifest.json   stage, version, config digests, seeds, input digests"""
         ),

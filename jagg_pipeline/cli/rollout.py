@@ -1,71 +1,18 @@
-"""``rollout``: sample G images per prompt with the configured SDE into a rollout directory.
-
-Also holds what the stage commands (rollout, score --rollouts, evaluate) share on the command
-line: ``--config`` / ``--set`` and turning the stages' expected errors into one-line messages.
-"""
+"""``rollout``: sample G images per prompt with the configured SDE into a rollout directory."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-
-def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """``--config FILE`` and repeatable ``--set KEY.PATH=VALUE`` overrides."""
-    parser.add_argument(
-        "--config",
-        type=Path,
-        required=required,
-        metavar="FILE",
-        help="experiment config (YAML); unknown keys are errors; the resolved config is "
-        "written next to the outputs",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override one config key (value parsed as YAML), e.g. sampler.group_size=4; "
-        "repeatable",
-    )
-
-
-def add_policy_argument(
-    parser: argparse.ArgumentParser,
-    help: str = "'base' (the checkpoint at backbone.path) or a training checkpoint directory",
-) -> None:
-    """``--policy base|CKPT``: the policy a stage samples from or trains."""
-    parser.add_argument("--policy", required=True, metavar="base|CKPT", help=help)
-
-
-def load_stage_config(path: Path, overrides: list[str]) -> Any:
-    """The experiment config of a stage command (errors become ``error:`` exits)."""
-    from jagg_pipeline.config import load_config
-
-    with stage_errors():
-        return load_config(path, overrides)
-
-
-@contextmanager
-def stage_errors() -> Iterator[None]:
-    """Exit with ``error: <message>`` on the errors a stage raises for bad inputs.
-
-    Config, manifest, prompt-file and policy errors are ValueErrors that name the key or file;
-    a missing checkpoint is a BackboneLoadError.
-    """
-    from jagg_pipeline.backbones import BackboneLoadError
-
-    try:
-        yield
-    except (ValueError, FileNotFoundError, BackboneLoadError) as err:
-        raise SystemExit(f"error: {err}") from None
-
+from jagg_pipeline.cli.common import (
+    add_config_arguments,
+    add_policy_argument,
+    load_stage_config,
+    stage_errors,
+)
 
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
 HELP = "sample G images per prompt with the configured SDE into a rollout directory"
@@ -79,8 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=textwrap.dedent(
             """\
             Sample sampler.group_size images for each of sampler.prompts_per_round prompts
-            drawn from --prompts with the round's seed, with the configured SDE (a window of
-            noisy steps, or the full trajectory with its trained-step selection). Each sample
+            drawn from --prompts (default: sampler.prompts) with the round's seed, with the
+            configured SDE (a window of noisy steps, or the full trajectory with its
+            trained-step selection). Each sample
             has its own seed, derived from (train.seed, --round, sample index). Work is split
             into micro-batches of whole prompt groups (sampler.batch_size samples); under
             `torchrun --nproc_per_node N` micro-batches are dealt to ranks round-robin and
@@ -94,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         seeds, sample_ids [B], cond.* (prompt conditioning),
                                         images uint8 [B, 3, H, W]
               shard-<rank>.json         the round's prompts
+              metrics.jsonl             one flat line: stage, round, samples, seconds
               config.yaml               the resolved config
               manifest.json             stage, version, config digests, seeds, input digests,
                                         micro-batches, trained steps (written last)"""

@@ -36,16 +36,6 @@ def _reward_flag(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME or NAME=WEIGHT, got {text!r}") from None
 
 
-def _set_flag(text: str) -> tuple[str, str, Any]:
-    import yaml
-
-    target, sep, value = text.partition("=")
-    name, dot, field = target.partition(".")
-    if not (sep and dot and name and field):
-        raise argparse.ArgumentTypeError(f"expected NAME.FIELD=VALUE, got {text!r}")
-    return name, field, yaml.safe_load(value)
-
-
 def _epilog() -> str:
     import typing
 
@@ -53,7 +43,7 @@ def _epilog() -> str:
 
     specs = typing.get_type_hints(RewardsSpec)
     fields = {f.name: f for f in dataclasses.fields(RewardsSpec)}
-    lines = ["rewards (settings: --set NAME.FIELD=VALUE, or the rewards file):"]
+    lines = ["rewards (settings: --set rewards.NAME.FIELD=VALUE, or the rewards file):"]
     for name in REWARD_NAMES:
         lines.append(f"  {name}: {fields[name].metadata['help']}")
         for f in dataclasses.fields(specs[name]):
@@ -180,11 +170,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     rewards.add_argument(
         "--set",
-        type=_set_flag,
+        dest="overrides",
         action="append",
         default=[],
-        metavar="NAME.FIELD=VALUE",
-        help="a reward setting, e.g. hpsv21.checkpoint=/models/HPS_v2.1_compressed.pt; repeatable",
+        metavar="KEY.PATH=VALUE",
+        help="override one config key as in every command; here a rewards key, e.g. "
+        "rewards.hpsv21.checkpoint=/models/HPS_v2.1_compressed.pt; repeatable",
     )
     rewards.add_argument(
         "--normalize-separately",
@@ -248,20 +239,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_rollout_score(args: argparse.Namespace) -> int:
-    from jagg_pipeline.cli.rollout import load_stage_config, stage_errors
-    from jagg_pipeline.config import ExperimentConfig
-    from jagg_pipeline.configtools import from_dict
+    from jagg_pipeline.cli.common import load_stage_config, stage_errors
     from jagg_pipeline.scoring import run_score
 
     if args.batch_size < 1:
         raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")
-    config = load_stage_config(args.config, [])
+    config = load_stage_config(args.config, args.overrides)
     with stage_errors():
-        if args.set:
-            settings: dict[str, dict[str, Any]] = {}
-            for name, field, value in args.set:
-                settings.setdefault(name, {})[field] = value
-            config = from_dict(ExperimentConfig, {"rewards": settings}, base=config)
         scores = run_score(
             config, args.rollouts, args.out, device=args.device, chunk=args.batch_size
         )
@@ -288,10 +272,15 @@ def _rewards_section(args: argparse.Namespace) -> dict[str, Any]:
         section["weights"] = dict(args.reward)
     if args.normalize_separately is not None:
         section["normalize_separately"] = args.normalize_separately
-    for name, field, value in args.set:
-        settings = section.get(name) or {}
-        section[name] = {**settings, field: value}
-    return section
+    outside = [item for item in args.overrides if not item.startswith("rewards.")]
+    if outside:
+        raise SystemExit(f"error: --set {outside[0]}: folder mode sets rewards.* keys only")
+    from jagg_pipeline.configtools import ConfigError, apply_overrides
+
+    try:
+        return apply_overrides({"rewards": section}, args.overrides)["rewards"]
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def _image_files(folder: Path) -> list[Path]:

@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from jagg_pipeline.cli.rollout import (
+from jagg_pipeline.cli.common import (
     add_config_arguments,
     add_policy_argument,
     load_stage_config,

@@ -1,0 +1,67 @@
+"""What the stage commands share on the command line.
+
+``--config`` / ``--set`` (one meaning everywhere: ``--set KEY.PATH=VALUE`` overrides one key
+of the experiment config), ``--policy``, and turning bad input into a one-line
+``error: <message>`` exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--config FILE`` and repeatable ``--set KEY.PATH=VALUE`` overrides."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=required,
+        metavar="FILE",
+        help="experiment config (YAML); unknown keys are errors; the resolved config is "
+        "written next to the outputs",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one config key (value parsed as YAML), e.g. sampler.group_size=4; "
+        "repeatable",
+    )
+
+
+def add_policy_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "'base' (the checkpoint at backbone.path) or a training checkpoint directory",
+) -> None:
+    """``--policy base|CKPT``: the policy a stage samples from or trains."""
+    parser.add_argument("--policy", required=True, metavar="base|CKPT", help=help)
+
+
+def load_stage_config(path: Path, overrides: list[str]) -> Any:
+    """The experiment config of a stage command (errors become ``error:`` exits)."""
+    from jagg_pipeline.config import load_config
+
+    with stage_errors():
+        return load_config(path, overrides)
+
+
+@contextmanager
+def stage_errors() -> Iterator[None]:
+    """Exit with ``error: <message>`` on bad input (:class:`~jagg_pipeline.errors.InputError`).
+
+    Config, manifest, table, prompt-file, policy and checkpoint errors name the key or the
+    file; a missing input path is a FileNotFoundError. Anything else is a bug and keeps its
+    traceback.
+    """
+    from jagg_pipeline.errors import InputError
+
+    try:
+        yield
+    except (InputError, FileNotFoundError) as err:
+        raise SystemExit(f"error: {err}") from None
