@@ -4,7 +4,7 @@ A round's checkpoint is the next round's ``--policy``::
 
     CKPT/manifest.json              stage "train" (written last; inputs: policy, rollouts, rewards)
     CKPT/config.yaml                the resolved config
-    CKPT/policy/                    the weights (:mod:`jagg_pipeline.policy` owns this part)
+    CKPT/policy/                    the weights (file format: :mod:`jagg_pipeline.policy`)
     CKPT/trainer/state.json         round, optimizer steps, skipped steps, LR-scheduler state,
                                     routing (with the probed cos-sims), world size
     CKPT/trainer/optimizer.safetensors   AdamW state keyed "state/<param>/<name>", the param
@@ -137,14 +137,16 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     from jagg_pipeline.manifest import finish_output
-    from jagg_pipeline.policy import save_policy
+    from jagg_pipeline.policy import policy_weights_dir, write_policy_files
 
     _check_finite(contents)
     target = Path(target)
     with atomic_directory(target) as staging:
         trainer = staging / TRAINER_DIR
         trainer.mkdir()
-        save_policy(backbone, staging, contents.model_state)
+        policy = policy_weights_dir(staging)
+        policy.mkdir()
+        write_policy_files(backbone, policy, contents.model_state)
         state = _json_safe(dataclasses.asdict(contents.trainer))
         atomic_write_text(trainer / STATE_FILE, json.dumps(state, indent=2) + "\n")
         tensors, meta = _flatten_optimizer(contents.optimizer_state)

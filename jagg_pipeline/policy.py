@@ -132,20 +132,28 @@ def save_policy(
     """Write ``directory/policy/`` (see the module docstring) atomically; returns it.
 
     The files are written into a temporary sibling first and renamed into place, so a reader
-    never sees a half-written policy. ``state_dict``: see :func:`policy_state_dict`. The
-    checkpoint's ``manifest.json`` (stage ``train``) is the trainer's to write, after this.
+    never sees a half-written policy. ``state_dict``: see :func:`policy_state_dict`. A
+    training checkpoint writes its policy with :func:`write_policy_files` inside its own
+    atomic folder instead (:mod:`jagg_pipeline.checkpoint`).
     """
-    from safetensors.torch import save_file
-
     from jagg_pipeline.artifacts import atomic_directory
 
-    weights = policy_state_dict(backbone, state_dict)
     target = policy_weights_dir(directory)
     with atomic_directory(target) as staging:
-        if backbone.training_mode == "lora":
-            # The adapter config is the LoRA format's, as Backbone.save_lora writes it.
-            backbone.transformer.peft_config[lora_files.ADAPTER_NAME].save_pretrained(str(staging))
-            save_file(weights, str(staging / lora_files.WEIGHTS_FILE))
-        else:
-            save_file(weights, str(staging / FULL_WEIGHTS))
+        write_policy_files(backbone, staging, state_dict)
     return target
+
+
+def write_policy_files(
+    backbone: Backbone, folder: Path, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """The policy's files (LoRA adapters or full weights) into the existing ``folder``."""
+    from safetensors.torch import save_file
+
+    weights = policy_state_dict(backbone, state_dict)
+    if backbone.training_mode == "lora":
+        # The adapter config is the LoRA format's, as Backbone.save_lora writes it.
+        backbone.transformer.peft_config[lora_files.ADAPTER_NAME].save_pretrained(str(folder))
+        save_file(weights, str(folder / lora_files.WEIGHTS_FILE))
+    else:
+        save_file(weights, str(folder / FULL_WEIGHTS))

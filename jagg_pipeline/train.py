@@ -48,6 +48,7 @@ from jagg_pipeline import distributed, jagg
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
 from jagg_pipeline.objective import GRPOStepLoss
+from jagg_pipeline.optim import Ema, build_optimizer
 from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
 from jagg_pipeline.scoring import table_path
 from jagg_pipeline.tables import read_table
@@ -249,51 +250,6 @@ def decide_routing(
 # --------------------------------------------------------------------------------------------
 
 
-def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
-    """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == "constant":
-        return 1.0
-    if kind == "linear":
-        return 1.0 - progress
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"train.lr_schedule must be constant, linear or cosine, got {kind!r}")
-
-
-class Ema:
-    """Exponential moving average of the trainable weights, sharded like them."""
-
-    def __init__(
-        self,
-        params: dict[str, torch.Tensor],
-        decay: float,
-        saved: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"train.ema_decay must be in (0, 1), got {decay}")
-        if saved is not None and set(saved) != set(params):
-            raise TrainInputError("the policy's EMA weights do not match the trainable weights")
-        self.decay = decay
-        self.shadow = {
-            name: distributed.shard_like(saved[name], p)
-            if saved is not None
-            else p.detach().clone()
-            for name, p in params.items()
-        }
-
-    @torch.no_grad()
-    def update(self, params: dict[str, torch.Tensor]) -> None:
-        for name, p in params.items():
-            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The full EMA weights (a collective; meaningful on rank 0)."""
-        return {name: distributed.full_tensor(t).cpu() for name, t in self.shadow.items()}
-
-
 class _Clock:
     """Seconds spent inside the wrapped velocity calls (forward passes)."""
 
@@ -412,20 +368,7 @@ class _Trainer:
         self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
         self.params = list(self.named.values())
 
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
-        )
-        # The schedule comes from the config (a partial's state is not saved), its position
-        # from the checkpoint.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            functools.partial(
-                lr_factor,
-                total=train.rounds * train.minibatches,
-                warmup=train.warmup_steps,
-                kind=train.lr_schedule,
-            ),
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.params, train)
         if previous is not None:
             state = ckpt.read_optimizer_state(policy) if ctx.is_main else {}
             distributed.load_optimizer_state_dict(transformer, self.optimizer, state)
@@ -605,6 +548,83 @@ class _Trainer:
         )
 
 
+def _run_steps(
+    trainer: _Trainer,
+    data: RoundData,
+    plan: list[list[list[int]]],
+    windows: list[list[int]],
+    routing: Routing,
+    round_index: int,
+    probe_seconds: float,
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """Every optimizer step of the plan; one metrics row each, shown as the round goes."""
+    from tqdm.auto import tqdm
+
+    is_main = trainer.ctx.is_main
+    metrics: list[dict[str, Any]] = []
+    bar = tqdm(
+        total=len(plan),
+        desc=f"train round {round_index}",
+        unit="step",
+        disable=None if progress and is_main else True,
+    )
+    for step_index, step_plan in enumerate(plan):
+        row = {"round": round_index, "step": step_index}
+        row.update(trainer.step(data, step_plan, windows, routing))
+        if step_index == 0:
+            row["routing"] = {"source": routing.source, "routed": routing.routed}
+            if routing.source == "auto" and routing.probed_round == round_index:
+                row["probe"] = routing.probes
+                row["time"]["probe"] = probe_seconds
+        metrics.append(row)
+        if is_main and progress:
+            if bar.disable:
+                _log_step(row, len(plan))
+            else:
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3g}", grad=f"{row['grad_norm']:.3g}", refresh=False
+                )
+        bar.update()
+    bar.close()
+    return metrics
+
+
+def _save(
+    trainer: _Trainer,
+    contents: ckpt.CheckpointContents,
+    out: Path,
+    policy: str | Path,
+    inputs: dict[str, Path],
+) -> None:
+    """Rank 0 writes the checkpoint; every rank raises if it refused (non-finite state)."""
+    config, ctx = trainer.config, trainer.ctx
+    round_index = contents.trainer.round
+    failure = None
+    if ctx.is_main:
+        try:
+            ckpt.write_checkpoint(
+                out,
+                trainer.backbone,
+                contents,
+                config=config,
+                seeds={"train": config.train.seed, "round": round_index},
+                inputs=inputs,
+                extra={
+                    "round": round_index,
+                    "policy": str(policy),
+                    "world_size": ctx.world_size,
+                    "global_step": contents.trainer.global_step,
+                    "skipped_steps": contents.trainer.skipped_steps,
+                },
+            )
+        except ckpt.NonFiniteError as err:
+            failure = str(err)
+    failure = distributed.broadcast_object(failure)
+    if failure is not None:
+        raise ckpt.NonFiniteError(failure)
+
+
 def train_round(
     config: Any,
     policy: str | Path,
@@ -621,10 +641,9 @@ def train_round(
     job calls this; without torchrun it runs as a world of one. ``progress``: a progress bar
     (on a terminal) or one line per optimizer step on stderr, from rank 0.
     """
-    from tqdm.auto import tqdm
-
     from jagg_pipeline.policy import BASE, policy_weights_dir
 
+    # Load: the round's inputs, checked against each other and the policy.
     out = Path(out)
     data = load_round_data(config, policy, rollouts, rewards)
     previous = None if str(policy) == BASE else ckpt.read_trainer_state(policy)
@@ -634,6 +653,9 @@ def train_round(
             f"{rollouts}: was sampled for round {data.round}, but --policy {policy} trains "
             f"round {round_index}"
         )
+    inputs = {"rollouts": Path(rollouts), "rewards": Path(rewards)}
+    if previous is not None:
+        inputs["policy"] = policy_weights_dir(policy)
     with distributed.distributed(config.backbone.device) as ctx, _deterministic():
         if ctx.is_main and ctx.world_size != config.train.nproc:
             print(
@@ -641,7 +663,9 @@ def train_round(
                 f"{config.train.nproc}",
                 file=sys.stderr,
             )
+        # Build: the sharded policy, optimizer, schedule, EMA.
         trainer = _Trainer(config, ctx, policy, previous)
+        # Plan and route: micro-batches into optimizer steps and ranks; windows to engines.
         windows = jagg.split_windows(data.batch.trained_steps, config.jagg.window)
         plan = plan_steps(
             len(data.micro_batches), config.train.minibatches, ctx.world_size, trainer.generator
@@ -656,59 +680,10 @@ def train_round(
             lambda: trainer.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups)),
         )
         probe_seconds = time.perf_counter() - probe_start
-
-        metrics: list[dict[str, Any]] = []
-        bar = tqdm(
-            total=len(plan),
-            desc=f"train round {round_index}",
-            unit="step",
-            disable=None if progress and ctx.is_main else True,
+        # Loop, then save.
+        metrics = _run_steps(
+            trainer, data, plan, windows, routing, round_index, probe_seconds, progress
         )
-        for step_index, step_plan in enumerate(plan):
-            row = {"round": round_index, "step": step_index}
-            row.update(trainer.step(data, step_plan, windows, routing))
-            if step_index == 0:
-                row["routing"] = {"source": routing.source, "routed": routing.routed}
-                if routing.source == "auto" and routing.probed_round == round_index:
-                    row["probe"] = routing.probes
-                    row["time"]["probe"] = probe_seconds
-            metrics.append(row)
-            if ctx.is_main and progress:
-                if bar.disable:
-                    _log_step(row, len(plan))
-                else:
-                    bar.set_postfix(
-                        loss=f"{row['loss']:.3g}", grad=f"{row['grad_norm']:.3g}", refresh=False
-                    )
-            bar.update()
-        bar.close()
-
         contents = trainer.contents(round_index, routing, metrics)
-        failure = None
-        if ctx.is_main:
-            inputs = {"rollouts": Path(rollouts), "rewards": Path(rewards)}
-            if str(policy) != BASE:
-                inputs["policy"] = policy_weights_dir(policy)
-            try:
-                ckpt.write_checkpoint(
-                    out,
-                    trainer.backbone,
-                    contents,
-                    config=config,
-                    seeds={"train": config.train.seed, "round": round_index},
-                    inputs=inputs,
-                    extra={
-                        "round": round_index,
-                        "policy": str(policy),
-                        "world_size": ctx.world_size,
-                        "global_step": contents.trainer.global_step,
-                        "skipped_steps": contents.trainer.skipped_steps,
-                    },
-                )
-            except ckpt.NonFiniteError as err:
-                failure = str(err)
-        # Every rank fails the same way when rank 0 refuses to write.
-        failure = distributed.broadcast_object(failure)
-        if failure is not None:
-            raise ckpt.NonFiniteError(failure)
+        _save(trainer, contents, out, policy, inputs)
     return RoundResult(out, round_index, metrics, routing)

@@ -32,6 +32,7 @@ from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
 from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
 from jagg_pipeline.loop import run_rounds
 from jagg_pipeline.manifest import ManifestError
+from jagg_pipeline.optim import lr_factor
 from jagg_pipeline.scoring import table_path
 from jagg_pipeline.tables import read_table
 from jagg_pipeline.train import (
@@ -39,7 +40,6 @@ from jagg_pipeline.train import (
     TrainInputError,
     decide_routing,
     load_round_data,
-    lr_factor,
     plan_steps,
     train_round,
 )
@@ -426,21 +426,6 @@ def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _files(directory):
-    return {
-        p.relative_to(directory).as_posix(): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def _without_times(metrics: bytes) -> list[dict]:
-    rows = [json.loads(line) for line in metrics.decode().splitlines()]
-    for row in rows:
-        row.pop("time")
-    return rows
-
-
 @pytest.mark.slow
 def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_path):
     """Test 4: SIGKILL after the first of 4 optimizer steps; the rerun's checkpoint is the
@@ -478,13 +463,7 @@ def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_
     assert not out.exists()  # nothing half-written under the final name
 
     train_helpers.run_train_command(args)
-    got, want = _files(out), _files(reference.checkpoint)
-    assert set(got) == set(want)
-    for name in got:
-        if name == "metrics.jsonl":
-            assert _without_times(got[name]) == _without_times(want[name])
-        else:
-            assert got[name] == want[name], name
+    train_helpers.assert_same_checkpoint(out, reference.checkpoint)
 
 
 def test_train_command_documents_outputs_and_names_bad_inputs(tiny_sd3, tmp_path, capsys):

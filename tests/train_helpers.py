@@ -325,3 +325,25 @@ def _worker(checkpoint: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    """Two checkpoint folders hold the same bytes (metrics lines compared without timings)."""
+    def files(folder: Path) -> dict[str, bytes]:
+        return {
+            p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
+
+    def without_times(metrics: bytes) -> list[dict]:
+        rows = [json.loads(line) for line in metrics.decode().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith("time.")} for row in rows]
+
+    ours, theirs = files(got), files(want)
+    assert set(ours) == set(theirs)
+    for name in ours:
+        if name == "metrics.jsonl":
+            assert without_times(ours[name]) == without_times(theirs[name])
+        else:
+            assert ours[name] == theirs[name], name

@@ -1,0 +1,81 @@
+"""The optimizer side of training: AdamW, the learning-rate schedule, the EMA of the weights.
+
+The schedule spans ``train.rounds * train.minibatches`` optimizer steps: the round count has
+one source, the config. Its shape (``lr_schedule``, ``warmup_steps``) comes from the config
+too, its position from the checkpoint. Knows nothing of rollouts or GRPO.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from jagg_pipeline import distributed
+from jagg_pipeline.errors import InputError
+
+
+def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
+    """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.lr_schedule must be constant, linear or cosine, got {kind!r}")
+
+
+class Ema:
+    """Exponential moving average of the trainable weights, sharded like them."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        decay: float,
+        saved: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"train.ema_decay must be in (0, 1), got {decay}")
+        if saved is not None and set(saved) != set(params):
+            raise InputError("the policy's EMA weights do not match the trainable weights")
+        self.decay = decay
+        self.shadow = {
+            name: distributed.shard_like(saved[name], p)
+            if saved is not None
+            else p.detach().clone()
+            for name, p in params.items()
+        }
+
+    @torch.no_grad()
+    def update(self, params: dict[str, torch.Tensor]) -> None:
+        for name, p in params.items():
+            self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full EMA weights (a collective; meaningful on rank 0)."""
+        return {name: distributed.full_tensor(t).cpu() for name, t in self.shadow.items()}
+
+
+def build_optimizer(
+    params: Sequence[torch.nn.Parameter], train: Any
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` and its schedule, from the ``train`` section."""
+    optimizer = torch.optim.AdamW(
+        params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+    )
+    # A partial's state is not saved: the schedule is rebuilt from the config each round and
+    # its position restored from the checkpoint.
+    factor = functools.partial(
+        lr_factor,
+        total=train.rounds * train.minibatches,
+        warmup=train.warmup_steps,
+        kind=train.lr_schedule,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
