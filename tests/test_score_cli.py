@@ -25,7 +25,7 @@ def write_images(folder, names, sizes):
 
 def test_help_documents_inputs_outputs_and_rewards(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["score", "--help"])
+        build_parser().parse_args(["score-images", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for needle in [
@@ -60,7 +60,7 @@ def test_scores_a_folder_with_a_prompt_file(models, tmp_path):
     )
     out = tmp_path / "out" / "scores.csv"
     argv = [
-        "score",
+        "score-images",
         "--images",
         str(tmp_path / "imgs"),
         "--prompts",
@@ -131,7 +131,7 @@ def test_manifest_input_and_table_formats(models, tmp_path, suffix):
         )
     out = tmp_path / f"scores{suffix}"
     argv = [
-        "score",
+        "score-images",
         "--images",
         str(tmp_path / "imgs"),
         "--manifest",
@@ -167,7 +167,7 @@ def test_manifest_input_and_table_formats(models, tmp_path, suffix):
 def test_errors_are_clear(models, tmp_path, capsys):
     write_images(tmp_path / "imgs", ["red", "blue"], [(32, 32)] * 2)
     (tmp_path / "one.txt").write_text("a red image\n")
-    base = ["score", "--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "o.csv")]
+    base = ["score-images", "--images", str(tmp_path / "imgs"), "--out", str(tmp_path / "o.csv")]
     with pytest.raises(SystemExit, match=r"2 images .* 1 prompts"):
         main([*base, "--prompts", str(tmp_path / "one.txt"), "--reward", "jpeg_compressibility"])
     (tmp_path / "two.txt").write_text("a red image\na blue image\n")

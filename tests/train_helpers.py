@@ -329,6 +329,7 @@ if __name__ == "__main__":
 
 def assert_same_checkpoint(got: Path, want: Path) -> None:
     """Two checkpoint folders hold the same bytes (metrics lines compared without timings)."""
+
     def files(folder: Path) -> dict[str, bytes]:
         return {
             p.relative_to(folder).as_posix(): p.read_bytes()

@@ -18,16 +18,28 @@ from jagg_pipeline.cli import (
     gradcheck,
     rollout,
     score,
+    score_images,
     summarize,
     toyworld,
     train,
 )
 
-COMMANDS = (config, gradcheck, toyworld, rollout, score, train, evaluate, summarize)
+COMMANDS = (
+    config,
+    gradcheck,
+    toyworld,
+    rollout,
+    score,
+    train,
+    evaluate,
+    summarize,
+    score_images,
+)
 
 
 def _name(command: object) -> str:
-    return command.__name__.rsplit(".", 1)[-1]
+    """The command's name: its ``NAME`` if it has one (``score-images``), else its module's."""
+    return getattr(command, "NAME", command.__name__.rsplit(".", 1)[-1])
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -1,91 +1,15 @@
-"""``score``: score a folder of images, or a rollout, against their prompts with rewards.
-
-Folder mode: inputs are resolved to (image file, prompt) pairs, the images are scored in
-batches of equal size, and one table row per image is written atomically (csv, jsonl or
-parquet) with a JSON manifest beside it. Rollout mode (``--rollouts DIR --config FILE``): the
-pipeline's score stage, :func:`jagg_pipeline.scoring.run_score`.
-"""
+"""``score``: the pipeline's score stage: a rollout's images under the config's rewards."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-@dataclass
-class Sample:
-    """One image to score: its file, the name written to the table, its prompt."""
-
-    path: Path
-    name: str
-    prompt: str
-
-
-def _reward_flag(text: str) -> tuple[str, float]:
-    name, _, weight = text.partition("=")
-    try:
-        return name, float(weight) if weight else 1.0
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NAME or NAME=WEIGHT, got {text!r}") from None
-
-
-def _epilog() -> str:
-    import typing
-
-    from jagg_pipeline.config import REWARD_NAMES, RewardsSpec
-
-    specs = typing.get_type_hints(RewardsSpec)
-    fields = {f.name: f for f in dataclasses.fields(RewardsSpec)}
-    lines = ["rewards (settings: --set rewards.NAME.FIELD=VALUE, or the rewards file):"]
-    for name in REWARD_NAMES:
-        lines.append(f"  {name}: {fields[name].metadata['help']}")
-        for f in dataclasses.fields(specs[name]):
-            lines.append(f"      {f.name} (default {f.default!r})")
-    lines += [
-        "",
-        "model settings name a local path first (a save_pretrained directory, a checkpoint",
-        "file) or a Hugging Face Hub id second; with HF_HUB_OFFLINE=1 only the local cache is",
-        "searched, so a missing model fails at once with the config key to set.",
-        "",
-        "rewards file (YAML or JSON; either this mapping or a config with a 'rewards:' key):",
-        "  weights: {hpsv21: 1.0, pickscore: 0.5}",
-        "  normalize_separately: false",
-        "  hpsv21: {checkpoint: /models/HPS_v2.1_compressed.pt}",
-        "",
-        "output table: one row per image with columns",
-        "  image      the image file, relative to --images",
-        "  prompt     its prompt",
-        "  group      integer id shared by the images of one prompt (GRPO group)",
-        "  <reward>   one column per reward (float32 scores)",
-        "  total      sum of weight * reward",
-        "  advantage  group-normalised total, or with normalize_separately the weighted sum",
-        "             of each reward's group-normalised advantage",
-        "Format from the --out suffix: .csv, .jsonl or .parquet (needs pyarrow). Beside it,",
-        "OUT.manifest.json records the package version, the resolved reward settings and",
-        "digests of the inputs.",
-        "",
-        "rollout mode (the pipeline's score stage): --rollouts DIR --config FILE --out DIR",
-        "scores a rollout directory's images with the config's rewards (--set still sets a",
-        "reward setting) and writes the folder OUT: scores.parquet, one row per sample in",
-        "rollout order with columns",
-        "  sample, prompt_id, group, <reward>..., total, advantage, group_mean, group_std",
-        "(advantage per the advantage section: std_mode, eps, clip), summary.json (reward",
-        "means, zero-std groups), metrics.jsonl, config.yaml (resolved config) and",
-        "manifest.json (stage score, input rollouts). Rollouts sampled under another",
-        "backbone or sampler section are refused, naming the file.",
-    ]
-    return "\n".join(lines)
-
+from jagg_pipeline.cli.common import add_config_arguments
 
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
-HELP = "score images against prompts with HPSv2.1, PickScore, CLIPScore, ... into a table"
+HELP = "score a rollout with the config's rewards; group advantages for training"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,93 +19,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=HELP,
         description=textwrap.dedent(
             """\
-            Score a folder of images against their prompts with one or more rewards and write
-            one row per image. Images and prompts are paired either by a prompt file (images
-            sorted by file name; image i gets prompt i // --images-per-prompt) or by a
-            manifest table with an image and a prompt column. Images of different sizes are
-            fine (they are batched by size). Or score a rollout directory with the rewards of
-            an experiment config (--rollouts, --config): see the end of this help."""
+            Score a rollout directory's images against their prompts with the rewards of the
+            config (rewards.weights, each reward's settings) and compute the GRPO advantages
+            of the advantage section (std_mode, eps, clip) and rewards.normalize_separately.
+            Rollouts sampled under another backbone or sampler section are refused, naming
+            the file. To score a folder of images, see `score-images`."""
         ),
-        epilog=_epilog(),
+        epilog=textwrap.dedent(
+            """\
+            output directory:
+              scores.parquet  one row per sample in rollout order: sample, prompt_id, group,
+                              <reward>..., total, advantage, group_mean, group_std
+              summary.json    reward means, zero-std groups
+              metrics.jsonl   one flat line: stage, round, total mean/std, reward means
+              config.yaml     the resolved config
+              manifest.json   stage score, config digests, input rollouts (written last)"""
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inputs = p.add_argument_group("inputs (folder mode)")
-    inputs.add_argument(
-        "--images",
+    add_config_arguments(p)
+    p.add_argument(
+        "--rollouts",
         type=Path,
+        required=True,
         metavar="DIR",
-        help="folder of images (png, jpg, jpeg, webp, bmp); manifest paths are relative to it",
-    )
-    source = inputs.add_mutually_exclusive_group()
-    source.add_argument(
-        "--prompts",
-        type=Path,
-        metavar="FILE",
-        help="prompt file: .txt (one per line), .json, .jsonl, .csv or .parquet",
-    )
-    source.add_argument(
-        "--manifest",
-        type=Path,
-        metavar="FILE",
-        help="table (.json, .jsonl, .csv, .parquet) mapping image file -> prompt",
-    )
-    inputs.add_argument(
-        "--column",
-        metavar="NAME",
-        help="prompt column of a tabular --prompts or --manifest file (default: prompt)",
-    )
-    inputs.add_argument(
-        "--image-column",
-        default="image",
-        metavar="NAME",
-        help="image column of --manifest (default: image)",
-    )
-    inputs.add_argument(
-        "--images-per-prompt",
-        type=int,
-        default=1,
-        metavar="K",
-        help="with --prompts: K consecutive images per prompt (default: 1)",
-    )
-    stage = p.add_argument_group("inputs (rollout mode)")
-    stage.add_argument(
-        "--rollouts", type=Path, metavar="DIR", help="a rollout directory (from `rollout`)"
-    )
-    stage.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help="experiment config (YAML) whose rewards and advantage sections score the rollout",
-    )
-    rewards = p.add_argument_group("rewards (folder mode; --set in both)")
-    rewards.add_argument(
-        "--rewards",
-        type=Path,
-        metavar="FILE",
-        help="rewards section as YAML or JSON (see below)",
-    )
-    rewards.add_argument(
-        "--reward",
-        type=_reward_flag,
-        action="append",
-        metavar="NAME[=WEIGHT]",
-        help="a reward to compute (weight 1 by default); repeat for several; replaces the "
-        "weights of --rewards",
-    )
-    rewards.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override one config key as in every command; here a rewards key, e.g. "
-        "rewards.hpsv21.checkpoint=/models/HPS_v2.1_compressed.pt; repeatable",
-    )
-    rewards.add_argument(
-        "--normalize-separately",
-        action="store_true",
-        default=None,
-        help="group-normalise each reward before the weighted sum (advantage column)",
+        help="a rollout directory (from `rollout`)",
     )
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
     p.add_argument(
@@ -189,56 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=32,
         metavar="N",
-        help="images loaded and scored at once (each reward may chunk further; default: 32)",
+        help="images scored at once (each reward may chunk further; default: 32)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        metavar="OUT",
-        help="folder mode: output table (.csv, .jsonl or .parquet); rollout mode: output folder",
-    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     p.set_defaults(handler=_run)
 
 
-# Folder-mode options and their defaults: rollout mode takes rewards from the config instead.
-_FOLDER_ONLY = {
-    "images": None,
-    "prompts": None,
-    "manifest": None,
-    "column": None,
-    "image_column": "image",
-    "images_per_prompt": 1,
-    "rewards": None,
-    "reward": None,
-    "normalize_separately": None,
-}
-
-
 def _run(args: argparse.Namespace) -> int:
-    if args.rollouts is None and args.config is None:
-        if args.images is None or (args.prompts is None and args.manifest is None):
-            raise SystemExit(
-                "error: give --images DIR with --prompts FILE or --manifest FILE, or "
-                "--rollouts DIR with --config FILE"
-            )
-        return _run_score(args)
-    if args.rollouts is None or args.config is None:
-        raise SystemExit("error: rollout mode needs both --rollouts DIR and --config FILE")
-    misplaced = [
-        "--" + name.replace("_", "-")
-        for name, default in _FOLDER_ONLY.items()
-        if getattr(args, name) != default
-    ]
-    if misplaced:
-        raise SystemExit(
-            f"error: {', '.join(misplaced)} belong to folder mode; with --rollouts the rewards "
-            "come from --config"
-        )
-    return _run_rollout_score(args)
-
-
-def _run_rollout_score(args: argparse.Namespace) -> int:
     from jagg_pipeline.cli.common import load_stage_config, stage_errors
     from jagg_pipeline.scoring import run_score
 
@@ -254,154 +73,4 @@ def _run_rollout_score(args: argparse.Namespace) -> int:
         f"scored {summary['samples']} samples ({summary['groups']} groups, "
         f"{summary['zero_std_groups']} with zero std); written to {args.out}"
     )
-    return 0
-
-
-def _rewards_section(args: argparse.Namespace) -> dict[str, Any]:
-    section: dict[str, Any] = {}
-    if args.rewards is not None:
-        import yaml
-
-        loaded = yaml.safe_load(args.rewards.read_text(encoding="utf-8"))
-        if isinstance(loaded, dict) and "rewards" in loaded:
-            loaded = loaded["rewards"]
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"error: {args.rewards}: expected a mapping of reward settings")
-        section = dict(loaded)
-    if args.reward:
-        section["weights"] = dict(args.reward)
-    if args.normalize_separately is not None:
-        section["normalize_separately"] = args.normalize_separately
-    outside = [item for item in args.overrides if not item.startswith("rewards.")]
-    if outside:
-        raise SystemExit(f"error: --set {outside[0]}: folder mode sets rewards.* keys only")
-    from jagg_pipeline.configtools import ConfigError, apply_overrides
-
-    try:
-        return apply_overrides({"rewards": section}, args.overrides)["rewards"]
-    except ConfigError as err:
-        raise SystemExit(f"error: {err}") from None
-
-
-def _image_files(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        raise SystemExit(f"error: --images {folder}: no such folder")
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-
-
-def _samples(args: argparse.Namespace) -> list[Sample]:
-    from jagg_pipeline.prompts import column_values, load_prompts, read_table
-
-    if args.prompts is not None:
-        prompts = load_prompts(args.prompts, args.column)
-        files = _image_files(args.images)
-        k = args.images_per_prompt
-        if k < 1 or len(files) != k * len(prompts):
-            raise SystemExit(
-                f"error: {len(files)} images in {args.images} but {len(prompts)} prompts in "
-                f"{args.prompts} with --images-per-prompt {k}: need {k * len(prompts)}"
-            )
-        return [Sample(f, f.name, prompts[i // k]) for i, f in enumerate(files)]
-    rows = read_table(args.manifest)
-    names = column_values(args.manifest, rows, args.image_column)
-    prompts = column_values(args.manifest, rows, args.column or "prompt")
-    pairs = zip(names, prompts, strict=True)
-    samples = [Sample(args.images / str(n), str(n), str(p)) for n, p in pairs]
-    missing = [s.name for s in samples if not s.path.is_file()]
-    if missing:
-        raise SystemExit(
-            f"error: {len(missing)} images of {args.manifest} not found in {args.images}, "
-            f"e.g. {missing[0]}"
-        )
-    return samples
-
-
-def _score_columns(reward: Any, samples: list[Sample], batch_size: int) -> dict[str, Any]:
-    """Score every sample; images of one size are batched together, rows keep input order."""
-    import torch
-    from PIL import Image
-
-    from jagg_pipeline.rewards import to_unit_float
-
-    by_size: dict[tuple[int, int], list[int]] = {}
-    for index, sample in enumerate(samples):
-        with Image.open(sample.path) as image:
-            by_size.setdefault(image.size, []).append(index)
-    columns = {name: torch.empty(len(samples)) for name in reward.rewards}
-    for indices in by_size.values():
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            images = []
-            for i in chunk:
-                with Image.open(samples[i].path) as image:
-                    images.append(image.convert("RGB"))
-            scores = reward.columns(to_unit_float(images), [samples[i].prompt for i in chunk])
-            for name, values in scores.items():
-                columns[name][chunk] = values.cpu()
-    return columns
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _run_score(args: argparse.Namespace) -> int:
-    import torch
-
-    from jagg_pipeline import __version__
-    from jagg_pipeline.artifacts import atomic_write_json
-    from jagg_pipeline.configtools import to_dict
-    from jagg_pipeline.prompts import PromptFileError
-    from jagg_pipeline.rewards import MultiReward, RewardConfigError, parse_rewards
-    from jagg_pipeline.tables import WRITE_SUFFIXES, write_table
-
-    if args.out.suffix.lower() not in WRITE_SUFFIXES:
-        raise SystemExit(f"error: --out {args.out}: use one of {', '.join(WRITE_SUFFIXES)}")
-    if args.batch_size < 1:
-        raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")
-    if args.rewards is None and not args.reward:
-        raise SystemExit("error: name the rewards with --rewards FILE or --reward NAME[=WEIGHT]")
-    try:
-        spec = parse_rewards(_rewards_section(args))
-        samples = _samples(args)
-        reward = MultiReward.from_spec(spec, args.device)
-    except (RewardConfigError, PromptFileError) as err:
-        raise SystemExit(f"error: {err}") from None
-    if not samples:
-        raise SystemExit(f"error: no images to score in {args.images}")
-    columns = _score_columns(reward, samples, args.batch_size)
-    groups: dict[str, int] = {}
-    group_ids = torch.tensor([groups.setdefault(s.prompt, len(groups)) for s in samples])
-    result = reward.combine(columns, group_ids)
-    rows = [
-        {
-            "image": sample.name,
-            "prompt": sample.prompt,
-            "group": int(group_ids[i]),
-            **{name: float(values[i]) for name, values in result.columns.items()},
-            "total": float(result.total[i]),
-            "advantage": float(result.advantages[i]),
-        }
-        for i, sample in enumerate(samples)
-    ]
-    write_table(args.out, rows)
-    text_inputs = [p for p in (args.prompts, args.manifest, args.rewards) if p is not None]
-    image_digest = hashlib.sha256()
-    for sample in samples:
-        image_digest.update(f"{sample.name}\0{_sha256(sample.path)}\n".encode())
-    manifest = {
-        "command": "score",
-        "version": __version__,
-        "rewards": to_dict(spec),
-        "device": args.device,
-        "inputs": {
-            "images": str(args.images),
-            "images_sha256": image_digest.hexdigest(),
-            "files_sha256": {str(p): _sha256(p) for p in text_inputs},
-        },
-        "rows": len(rows),
-        "table": args.out.name,
-    }
-    atomic_write_json(args.out.with_name(args.out.name + ".manifest.json"), manifest)
-    print(f"scored {len(rows)} images with {', '.join(spec.weights)}; table written to {args.out}")
     return 0
