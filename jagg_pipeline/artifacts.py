@@ -18,6 +18,15 @@ from pathlib import Path
 from typing import Any
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
@@ -29,6 +38,9 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
+    # mkstemp makes the file private (0600); results on a shared filesystem are for the group
+    # too, so give it the mode a plain open() would.
+    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield Path(tmp)
         with open(tmp, "rb") as handle:

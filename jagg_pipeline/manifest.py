@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jagg_pipeline import __version__
-from jagg_pipeline.artifacts import atomic_write_json, atomic_write_text
+from jagg_pipeline.artifacts import METRICS_NAME, atomic_write_json, atomic_write_text
 from jagg_pipeline.configtools import digest, to_dict
 from jagg_pipeline.errors import InputError
 
@@ -44,7 +44,8 @@ def manifest_path(output: str | Path) -> Path:
 def digest_path(path: str | Path) -> str:
     """sha256 of a file, or of a directory's files (relative names and contents, sorted).
 
-    A directory's own manifest is left out, so writing it does not change the digest.
+    A directory's own manifest and its metrics (timings: not data) are left out, so writing
+    them does not change the digest.
     """
     path = Path(path)
     h = hashlib.sha256()
@@ -57,7 +58,7 @@ def digest_path(path: str | Path) -> str:
         raise FileNotFoundError(f"{path}: nothing to digest")
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         relative = file.relative_to(path).as_posix()
-        if relative == MANIFEST_NAME or file.name.startswith("."):
+        if relative in (MANIFEST_NAME, METRICS_NAME) or file.name.startswith("."):
             continue
         h.update(relative.encode() + b"\0" + digest_path(file).encode() + b"\n")
     return h.hexdigest()

@@ -55,7 +55,8 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
             if path.is_file():
                 run.lines.extend(_jsonl(path))
     for eval_dir in sorted(directory.glob("eval/trained-*")):
-        run.lines.extend(_jsonl(eval_dir / METRICS_NAME))
+        if (eval_dir / METRICS_NAME).is_file():  # older evaluations wrote metrics.json only
+            run.lines.extend(_jsonl(eval_dir / METRICS_NAME))
         report = json.loads((eval_dir / "metrics.json").read_text())
         trained = int(eval_dir.name.removeprefix("trained-"))
         run.evaluations[trained] = {name: v["mean"] for name, v in report["metrics"].items()}

@@ -47,3 +47,15 @@ def test_directory_and_file_outputs_carry_manifests_that_consumers_check(tmp_pat
         )
     with pytest.raises(ManifestError, match="no manifest"):
         check_input(tmp_path / "missing", stage="rollout", config=config)
+
+
+def test_atomic_outputs_get_the_mode_of_a_plain_file(tmp_path):
+    """Staged through a private temporary file, an output still ends with the umask's mode."""
+    import os
+
+    from jagg_pipeline.artifacts import atomic_write_text
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic = atomic_write_text(tmp_path / "atomic.txt", "x")
+    assert os.stat(atomic).st_mode & 0o777 == os.stat(plain).st_mode & 0o777

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.trajectories import TrajectoryBatch, concatenate, load_rollout
 
 
@@ -43,8 +44,8 @@ def test_inconsistent_batches_and_rollouts_are_refused(tmp_path):
     other.prompts = ["x", "y"]
     with pytest.raises(ValueError, match="disagree"):
         concatenate([good, other])
-    with pytest.raises(FileNotFoundError, match="no shard"):
+    with pytest.raises(InputError, match="no shard"):
         load_rollout(tmp_path)
     good.save(tmp_path, rank=1)
-    with pytest.raises(FileNotFoundError, match=r"shards \[1\] are not 0..0"):
+    with pytest.raises(InputError, match=r"shards \[1\] are not 0..0"):
         load_rollout(tmp_path)
