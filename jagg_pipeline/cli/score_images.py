@@ -97,74 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    inputs = p.add_argument_group("inputs (folder mode)")
-    inputs.add_argument(
-        "--images",
-        type=Path,
-        metavar="DIR",
-        help="folder of images (png, jpg, jpeg, webp, bmp); manifest paths are relative to it",
-    )
-    source = inputs.add_mutually_exclusive_group()
-    source.add_argument(
-        "--prompts",
-        type=Path,
-        metavar="FILE",
-        help="prompt file: .txt (one per line), .json, .jsonl, .csv or .parquet",
-    )
-    source.add_argument(
-        "--manifest",
-        type=Path,
-        metavar="FILE",
-        help="table (.json, .jsonl, .csv, .parquet) mapping image file -> prompt",
-    )
-    inputs.add_argument(
-        "--column",
-        metavar="NAME",
-        help="prompt column of a tabular --prompts or --manifest file (default: prompt)",
-    )
-    inputs.add_argument(
-        "--image-column",
-        default="image",
-        metavar="NAME",
-        help="image column of --manifest (default: image)",
-    )
-    inputs.add_argument(
-        "--images-per-prompt",
-        type=int,
-        default=1,
-        metavar="K",
-        help="with --prompts: K consecutive images per prompt (default: 1)",
-    )
-    rewards = p.add_argument_group("rewards")
-    rewards.add_argument(
-        "--rewards",
-        type=Path,
-        metavar="FILE",
-        help="rewards section as YAML or JSON (see below)",
-    )
-    rewards.add_argument(
-        "--reward",
-        type=_reward_flag,
-        action="append",
-        metavar="NAME[=WEIGHT]",
-        help="a reward to compute (weight 1 by default); repeat for several; replaces the "
-        "weights of --rewards",
-    )
-    rewards.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override one rewards key, as --set does in every command, e.g. "
-        "rewards.hpsv21.checkpoint=/models/HPS_v2.1_compressed.pt; repeatable",
-    )
-    rewards.add_argument(
-        "--normalize-separately",
-        action="store_true",
-        default=None,
-        help="group-normalise each reward before the weighted sum (advantage column)",
-    )
+    _add_inputs(p.add_argument_group("inputs"))
+    _add_rewards(p.add_argument_group("rewards"))
     p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
     p.add_argument(
         "--batch-size",
@@ -181,6 +115,80 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="output table: .csv, .jsonl or .parquet",
     )
     p.set_defaults(handler=_run)
+
+
+def _add_inputs(group: argparse._ArgumentGroup) -> None:
+    """The images and how they pair with prompts."""
+    group.add_argument(
+        "--images",
+        type=Path,
+        metavar="DIR",
+        help="folder of images (png, jpg, jpeg, webp, bmp); manifest paths are relative to it",
+    )
+    source = group.add_mutually_exclusive_group()
+    source.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="prompt file: .txt (one per line), .json, .jsonl, .csv or .parquet",
+    )
+    source.add_argument(
+        "--manifest",
+        type=Path,
+        metavar="FILE",
+        help="table (.json, .jsonl, .csv, .parquet) mapping image file -> prompt",
+    )
+    group.add_argument(
+        "--column",
+        metavar="NAME",
+        help="prompt column of a tabular --prompts or --manifest file (default: prompt)",
+    )
+    group.add_argument(
+        "--image-column",
+        default="image",
+        metavar="NAME",
+        help="image column of --manifest (default: image)",
+    )
+    group.add_argument(
+        "--images-per-prompt",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --prompts: K consecutive images per prompt (default: 1)",
+    )
+
+
+def _add_rewards(group: argparse._ArgumentGroup) -> None:
+    """Which rewards run, their weights and settings."""
+    group.add_argument(
+        "--rewards",
+        type=Path,
+        metavar="FILE",
+        help="rewards section as YAML or JSON (see below)",
+    )
+    group.add_argument(
+        "--reward",
+        type=_reward_flag,
+        action="append",
+        metavar="NAME[=WEIGHT]",
+        help="a reward to compute (weight 1 by default); repeat for several; replaces the "
+        "weights of --rewards",
+    )
+    group.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one rewards key, as --set does in every command, e.g. "
+        "rewards.hpsv21.checkpoint=/models/HPS_v2.1_compressed.pt; repeatable",
+    )
+    group.add_argument(
+        "--normalize-separately",
+        action="store_true",
+        default=None,
+        help="group-normalise each reward before the weighted sum (advantage column)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
