@@ -9,7 +9,7 @@ PIP := $(BIN)/pip install --constraint constraints.txt
 STAMP := $(VENV)/.installed
 RESULTS := results
 
-.PHONY: run test lint format clean
+.PHONY: run test lint format clean slurm-profile
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,18 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check jagg_pipeline tests benchmarks
 	$(BIN)/snakefmt --check Snakefile workflow
 	$(BIN)/snakemake --lint --cores 1
+
+# Installs workflow/profiles/slurm where Snakemake looks up a bare profile name, so that
+# `snakemake --profile slurm TARGET` works from the repository root:
+#   make slurm-profile SLURM_ACCOUNT=my-account SLURM_PARTITION=gpu
+# (both optional: empty means SLURM's defaults for your user).
+SLURM_PROFILE := $(or $(XDG_CONFIG_HOME),$(HOME)/.config)/snakemake/slurm
+slurm-profile:
+	mkdir -p $(SLURM_PROFILE)
+	sed -e 's|^  slurm_account: .*|  slurm_account: "$(SLURM_ACCOUNT)"|' \
+	    -e 's|^  slurm_partition: .*|  slurm_partition: "$(SLURM_PARTITION)"|' \
+	    workflow/profiles/slurm/config.yaml > $(SLURM_PROFILE)/config.yaml
+	@echo "installed $(SLURM_PROFILE)/config.yaml (account '$(SLURM_ACCOUNT)', partition '$(SLURM_PARTITION)')"
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
 test: lint

@@ -81,6 +81,22 @@ class ToyWorld:
 
 
 @dataclass
+class Containers:
+    """The image of each environment family: containers/<family>.def, envs/<family>.yaml."""
+
+    pipeline: str = field(
+        "containers/pipeline.sif",
+        help="the stages' image (toyworld, rollout, score, train, evaluate): "
+        "apptainer build containers/pipeline.sif containers/pipeline.def",
+    )
+    summary: str = field(
+        "containers/summary.sif",
+        help="the comparison's image (summary), torch-free: "
+        "apptainer build containers/summary.sif containers/summary.def",
+    )
+
+
+@dataclass
 class WorkflowConfig:
     """The ``workflow`` section: where results go and the experiments the targets run."""
 
@@ -89,9 +105,9 @@ class WorkflowConfig:
     experiments: dict[str, Experiment] = field(
         default_factory=dict, help="target name -> experiment"
     )
-    container: str = field(
-        "containers/jagg-pipeline.sif",
-        help="the image every rule runs in under --sdm apptainer (build it from containers/)",
+    containers: Containers = field(
+        default_factory=Containers,
+        help="the images the rules run in under --sdm apptainer, per environment family",
     )
     report: list[str] = field(
         default_factory=lambda: ["all"], help="experiments the `report` target collects"

@@ -44,3 +44,18 @@ def toy_experiment(world, **sections):
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return data
+
+
+@pytest.fixture(scope="session")
+def reduced_all(tmp_path_factory):
+    """A workdir where the reduced `all` (workflow_helpers.REDUCED) ran locally on 2 cores.
+
+    Tests copy it (with its .snakemake metadata) before changing anything, or compare with it.
+    """
+    from workflow_helpers import REDUCED, snakemake, write_config
+
+    workdir = tmp_path_factory.mktemp("reduced-all")
+    write_config(workdir, REDUCED)
+    result = snakemake(workdir, "--cores", "2", "all")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir

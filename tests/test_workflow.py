@@ -12,18 +12,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from train_helpers import assert_same_checkpoint
+from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, snakemake, write_config
 
 from jagg_pipeline.experiments import resolve_runs, stage_digest, workflow_schema
 
-ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
 TARGETS = (
     "all",
     "compare_modes",
@@ -33,42 +31,6 @@ TARGETS = (
     "sweep_backbone",
     "report",
 )
-REDUCED = {
-    "sampler": {"prompts_per_round": 2, "group_size": 4, "batch_size": 8},
-    "eval": {"max_prompts": 4, "samples_per_prompt": 1, "num_steps": 6, "every": 2},
-    "tracking": {"backend": "none"},
-    "workflow": {
-        "toyworld": {"steps": 30, "batch": 4, "clip_steps": 10},
-        "experiments": {
-            "all": {
-                "seeds": [0],
-                "overrides": {"train": {"rounds": 2}},
-                "variants": {
-                    "exact": {"jagg": {"mode": "exact"}},
-                    "jagg": {"jagg": {"mode": "jagg"}},
-                },
-            }
-        },
-    },
-}
-
-
-def snakemake(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [*SNAKEMAKE, "--directory", str(workdir), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-
-
-def write_config(workdir: Path, data: dict) -> Path:
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def test_committed_schema_is_the_packages():
@@ -174,10 +136,10 @@ def _mtimes(folder: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_kill(tmp_path):
-    write_config(tmp_path, REDUCED)
-    first = snakemake(tmp_path, "--cores", "2", "all")
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_kill(
+    tmp_path, reduced_all
+):
+    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
     results = tmp_path / "results" / "all"
     for variant in ("exact", "jagg"):
         run = results / variant / "seed-0"

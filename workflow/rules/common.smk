@@ -25,10 +25,14 @@ BENCHMARKS = f"{RESULTS}/benchmarks"
 # Without --sdm the interpreter running Snakemake runs the stages too (the project's virtual
 # environment); with conda or apptainer, the environment's own python does.
 PYTHON = "python" if workflow.deployment_settings.deployment_method else sys.executable
-CONTAINER = WORKFLOW.container
+CONTAINERS = WORKFLOW.containers
 RUN = f"{RESULTS}/{{experiment}}/{{variant}}/seed-{{seed}}"
 JOB = "{experiment}/{variant}/seed-{seed}"
 TOY_FAMILIES = ("flux", "qwenimage", "sd3")
+# On a cluster a round's rollout and score share one allocation. Train stays out: it feeds the
+# next round's rollout, and Snakemake merges connected jobs of a group, so every round of a run
+# would become one job.
+SAMPLE_GROUP = "sample"
 
 
 def _alternatives(values):

@@ -13,12 +13,12 @@ rule evaluate:
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=8000,
         runtime=60,
-        gpus=stage_gpus,
+        gpu=stage_gpus,
         cpus_per_task=1,
     params:
         python=PYTHON,

@@ -10,15 +10,17 @@ rule rollout:
         f"{LOGS}/{JOB}/round-{{round}}/rollout.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/round-{{round}}/rollout.tsv"
+    group:
+        SAMPLE_GROUP
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=8000,
         runtime=60,
-        gpus=stage_gpus,
+        gpu=stage_gpus,
         cpus_per_task=1,
     params:
         python=PYTHON,

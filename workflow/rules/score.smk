@@ -10,15 +10,17 @@ rule score:
         f"{LOGS}/{JOB}/round-{{round}}/score.log",
     benchmark:
         f"{BENCHMARKS}/{JOB}/round-{{round}}/score.tsv"
+    group:
+        SAMPLE_GROUP
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=8000,
         runtime=30,
-        gpus=stage_gpus,
+        gpu=stage_gpus,
         cpus_per_task=1,
     params:
         python=PYTHON,

@@ -32,12 +32,12 @@ rule summary:
     conda:
         "../../envs/summary.yaml"
     container:
-        CONTAINER
+        CONTAINERS.summary
     threads: 1
     resources:
         mem_mb=2000,
         runtime=10,
-        gpus=0,
+        gpu=0,
         cpus_per_task=1,
     params:
         python=PYTHON,

@@ -12,12 +12,12 @@ rule toyworld_clip:
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=4000,
         runtime=30,
-        gpus=0,
+        gpu=0,
         cpus_per_task=1,
     params:
         python=PYTHON,
@@ -48,12 +48,12 @@ rule toyworld_backbone:
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=4000,
         runtime=60,
-        gpus=0,
+        gpu=0,
         cpus_per_task=1,
     params:
         python=PYTHON,

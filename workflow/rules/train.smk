@@ -13,12 +13,12 @@ rule train:
     conda:
         "../../envs/pipeline.yaml"
     container:
-        CONTAINER
+        CONTAINERS.pipeline
     threads: 1
     resources:
         mem_mb=16000,
         runtime=120,
-        gpus=train_gpus,
+        gpu=train_gpus,
         cpus_per_task=1,
     params:
         config=run_config_file,

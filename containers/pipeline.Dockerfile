@@ -1,5 +1,8 @@
-# The stages' image (envs/pipeline.yaml as a container): build from the repository root with
-#   docker build -f containers/Dockerfile -t jagg-pipeline:0.1.0 .
+# The stages' image (toyworld, rollout, score, train, evaluate): envs/pipeline.yaml as a
+# container, torch and torchvision pinned by constraints.txt. From the repository root:
+#   docker build -f containers/pipeline.Dockerfile -t jagg-pipeline:0.1.0 .
+# For a GPU cluster the same pins pull CUDA wheels from PyPI; add the driver at run time
+# (apptainer --nv, docker --gpus all).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

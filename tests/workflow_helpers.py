@@ -1,0 +1,88 @@
+"""Shared pieces of the workflow tests: the reduced experiment and a Snakemake runner.
+
+REDUCED mirrors config.yaml's `all` (two of its variants, a tiny toy world, two rounds); the
+session fixture ``reduced_all`` (conftest.py) runs it once locally, the reference that the
+local and SLURM workflow tests start from or compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+REDUCED = {
+    "sampler": {"prompts_per_round": 2, "group_size": 4, "batch_size": 8},
+    "eval": {"max_prompts": 4, "samples_per_prompt": 1, "num_steps": 6, "every": 2},
+    "tracking": {"backend": "none"},
+    "workflow": {
+        "toyworld": {"steps": 30, "batch": 4, "clip_steps": 10},
+        "experiments": {
+            "all": {
+                "seeds": [0],
+                "overrides": {"train": {"rounds": 2}},
+                "variants": {
+                    "exact": {"jagg": {"mode": "exact"}},
+                    "jagg": {"jagg": {"mode": "jagg"}},
+                },
+            }
+        },
+    },
+}
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the repository's Snakefile in ``workdir`` (no hub access)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [*SNAKEMAKE, "--directory", str(workdir), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def write_config(workdir: Path, data: dict) -> Path:
+    """``workdir``/config.yaml holding ``data``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# Files whose content includes wall-clock timings, so differ between any two runs.
+TIMED_FILES = ("metrics.jsonl", "table.md")
+
+
+def _without_timings(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def comparable_outputs(workdir: Path) -> dict[str, Any]:
+    """Every output below ``workdir``/results (logs and benchmarks aside): relative path ->
+    bytes, or parsed JSON without its ``*seconds*`` keys; files of timings left out."""
+    results = workdir / "results"
+    outputs = {}
+    for path in sorted(results.rglob("*")):
+        relative = path.relative_to(results).as_posix()
+        if not path.is_file() or relative.split("/")[0] in ("logs", "benchmarks"):
+            continue
+        if path.name in TIMED_FILES:
+            continue
+        if path.suffix == ".json":
+            outputs[relative] = _without_timings(json.loads(path.read_text()))
+        else:
+            outputs[relative] = path.read_bytes()
+    return outputs
