@@ -25,6 +25,7 @@ include: "workflow/rules/score.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/track.smk"
 
 
 localrules:
@@ -35,6 +36,8 @@ localrules:
     sweep_window,
     sweep_backbone,
     report,
+    track,
+    compare,
 
 
 rule all:
@@ -74,14 +77,7 @@ rule sweep_backbone:
 
 
 rule report:
-    """The comparison of every experiment named in workflow.report, in one folder."""
+    """The comparison of every experiment named in workflow.report, read back from MLflow
+    (results/report/<experiment>/index.html)."""
     input:
         report_inputs,
-    output:
-        f"{RESULTS}/report/index.md",
-    log:
-        f"{LOGS}/report.log",
-    params:
-        experiments=report_experiments,
-    run:
-        write_report_index(input, output[0], params.experiments)

@@ -384,7 +384,15 @@ class JaggConfig:
         0.8, help="'auto': minimum cos-sim to route a window to jagg", minimum=-1, maximum=1
     )
     auto_every: int = field(10, help="'auto': re-probe every K rounds", minimum=1)
-    auto_probe_groups: int = field(2, help="'auto': prompt groups in the probe batch", minimum=1)
+    auto_probe_groups: int = field(
+        2, help="prompt groups in the probe batch (of 'auto' and of probe_every)", minimum=1
+    )
+    probe_every: int = field(
+        0,
+        help="also probe every window's cos-sim with the exact gradient every K rounds, for the "
+        "report's heatmap (0: only when 'auto' routing probes)",
+        minimum=0,
+    )
 
     def engine_options(self) -> dict[str, Any]:
         """The options every gradient-engine call of a run takes (training and probes)."""

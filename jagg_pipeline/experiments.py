@@ -91,7 +91,7 @@ class Containers:
     )
     summary: str = field(
         "containers/summary.sif",
-        help="the comparison's image (summary), torch-free: "
+        help="the comparison's image (summary, track, compare), torch-free: "
         "apptainer build containers/summary.sif containers/summary.def",
     )
 

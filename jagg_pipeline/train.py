@@ -555,10 +555,13 @@ def _run_steps(
     windows: list[list[int]],
     routing: Routing,
     round_index: int,
-    probe_seconds: float,
+    probed: tuple[list[dict[str, Any]] | None, float],
     progress: bool,
 ) -> list[dict[str, Any]]:
-    """Every optimizer step of the plan; one metrics row each, shown as the round goes."""
+    """Every optimizer step of the plan; one metrics row each, shown as the round goes.
+
+    ``probed``: this round's per-window probes (None: not probed) and the seconds they took.
+    """
     from tqdm.auto import tqdm
 
     is_main = trainer.ctx.is_main
@@ -574,8 +577,9 @@ def _run_steps(
         row.update(trainer.step(data, step_plan, windows, routing))
         if step_index == 0:
             row["routing"] = {"source": routing.source, "routed": routing.routed}
-            if routing.source == "auto" and routing.probed_round == round_index:
-                row["probe"] = routing.probes
+            probes, probe_seconds = probed
+            if probes is not None:
+                row["probe"] = probes
                 row["time"]["probe"] = probe_seconds
         metrics.append(row)
         if is_main and progress:
@@ -672,17 +676,25 @@ def train_round(
         )
         order = [m for step in plan for rank in step for m in rank]
         probe_start = time.perf_counter()
+
+        def probe() -> list[dict[str, Any]]:
+            return trainer.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups))
+
         routing = decide_routing(
             config.jagg,
             len(windows),
             round_index,
             None if previous is None else Routing.from_dict(previous.routing),
-            lambda: trainer.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups)),
+            probe,
         )
+        probes = routing.probes if routing.probed_round == round_index else None
+        every = config.jagg.probe_every
+        if probes is None and every and round_index % every == 0:
+            probes = probe()  # measured for the report only; the routing stays as decided
         probe_seconds = time.perf_counter() - probe_start
         # Loop, then save.
         metrics = _run_steps(
-            trainer, data, plan, windows, routing, round_index, probe_seconds, progress
+            trainer, data, plan, windows, routing, round_index, (probes, probe_seconds), progress
         )
         contents = trainer.contents(round_index, routing, metrics)
         _save(trainer, contents, out, policy, inputs)

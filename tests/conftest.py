@@ -48,7 +48,8 @@ def toy_experiment(world, **sections):
 
 @pytest.fixture(scope="session")
 def reduced_all(tmp_path_factory):
-    """A workdir where the reduced `all` (workflow_helpers.REDUCED) ran locally on 2 cores.
+    """A workdir where the reduced `all` and `report` (workflow_helpers.REDUCED, tracking off)
+    ran locally on 2 cores, with mlflow made unimportable (``poisoned/`` on PYTHONPATH).
 
     Tests copy it (with its .snakemake metadata) before changing anything, or compare with it.
     """
@@ -56,6 +57,14 @@ def reduced_all(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("reduced-all")
     write_config(workdir, REDUCED)
-    result = snakemake(workdir, "--cores", "2", "all")
+    poison = workdir / "poisoned/mlflow/__init__.py"
+    poison.parent.mkdir(parents=True)
+    poison.write_text('raise ImportError("mlflow imported with tracking off (poisoned)")\n')
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(poison.parent.parent), os.environ.get("PYTHONPATH")])
+        )
+    }
+    result = snakemake(workdir, "--cores", "2", "all", "report", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir

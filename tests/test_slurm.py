@@ -120,15 +120,18 @@ def copy_run(reference: Path, workdir: Path) -> Path:
 def test_reduced_all_on_slurm_equals_the_local_run(slurm_env, reduced_all, tmp_path):
     write_config(tmp_path, REDUCED)
     started = time.monotonic()
-    result = on_slurm(tmp_path, slurm_env, "all")
+    result = on_slurm(tmp_path, slurm_env, "all", "report")
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"reduced `all` on SLURM: {time.monotonic() - started:.0f} s")
     jobs = jobs_in(tmp_path)
     assert jobs and {job["state"] for job in jobs} == {"COMPLETED"}, jobs
     kinds = {job["comment"].split("_wildcards")[0] for job in jobs}
     # A round's rollout and score share one allocation (group "sample").
+    # track and compare run on the submitting host (localrules), not through sbatch.
     expected = {"rule_toyworld_clip", "rule_train", "rule_evaluate", "rule_summary"}
     assert expected | {"rule_sample_rollout_score"} <= kinds, kinds
+    assert not kinds & {"rule_track", "rule_compare"}, kinds
+    assert (tmp_path / "results/all/tracking/tracked.json").is_file()
     ours, local = comparable_outputs(tmp_path), comparable_outputs(reduced_all)
     assert ours.keys() == local.keys()
     assert [name for name in ours if ours[name] != local[name]] == []

@@ -203,6 +203,23 @@ def test_two_rounds_chain_policies_and_keep_auto_routing(tiny_sd3, tmp_path):
         assert [rows[0][f"windows.{w}.mode"] for w in (0, 1)] == modes
 
 
+def test_probe_every_measures_cos_sims_without_changing_training(tiny_sd3, base_rollout, tmp_path):
+    """jagg.probe_every (for the report's heatmap): the fixed routing and the trained weights
+    stay exactly as without it; round 0 records a probe per window."""
+    jagg = {"mode": "no_interp", "window": 4, "jagg_frac": 0.5, "auto_probe_groups": 1}
+    plain = _train(make_config(tiny_sd3, jagg=jagg), base_rollout, tmp_path / "plain")
+    probed = _train(
+        make_config(tiny_sd3, jagg=jagg | {"probe_every": 3}), base_rollout, tmp_path / "probed"
+    )
+    want, got = policy_weights(tmp_path / "plain"), policy_weights(tmp_path / "probed")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert probed.routing == plain.routing and probed.routing.source == "fraction"
+    first = probed.metrics[0]
+    for window in (0, 1):
+        assert -1.0 <= first["probe"][window]["no_interp"]["cos_sim"] <= 1.0
+    assert "probe" not in plain.metrics[0] and first["time"]["probe"] > 0
+
+
 def test_decide_routing_probes_on_schedule():
     calls = []
 

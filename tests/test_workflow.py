@@ -160,7 +160,8 @@ def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_k
     # Kill snakemake and its jobs while the last training round of `exact` runs, then resume.
     # (Snakemake regenerates a missing intermediate only for a target that is out of date.)
     shutil.rmtree(results / "exact/seed-0/round-0001")
-    shutil.rmtree(results / "summary")
+    for downstream in ("summary", "tracking"):
+        shutil.rmtree(results / downstream)
     log = tmp_path / "results/logs/all/exact/seed-0/round-0001/train.log"
     log.unlink(missing_ok=True)
     proc = subprocess.Popen(

@@ -27,7 +27,7 @@ REDUCED = {
         "experiments": {
             "all": {
                 "seeds": [0],
-                "overrides": {"train": {"rounds": 2}},
+                "overrides": {"train": {"rounds": 2}, "jagg": {"probe_every": 1}},
                 "variants": {
                     "exact": {"jagg": {"mode": "exact"}},
                     "jagg": {"jagg": {"mode": "jagg"}},
@@ -38,14 +38,15 @@ REDUCED = {
 }
 
 
-def snakemake(workdir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the repository's Snakefile in ``workdir`` (no hub access)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def snakemake(
+    workdir: Path, *args: str, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run the repository's Snakefile in ``workdir`` (no hub access; ``env`` added)."""
     return subprocess.run(
         [*SNAKEMAKE, "--directory", str(workdir), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         timeout=timeout,
     )
 
@@ -59,7 +60,7 @@ def write_config(workdir: Path, data: dict) -> Path:
 
 
 # Files whose content includes wall-clock timings, so differ between any two runs.
-TIMED_FILES = ("metrics.jsonl", "table.md")
+TIMED_FILES = ("metrics.jsonl", "table.md", "index.html", "speed.png")
 
 
 def _without_timings(value: Any) -> Any:

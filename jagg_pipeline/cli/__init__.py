@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jagg_pipeline import __version__
 from jagg_pipeline.cli import (
+    compare,
     config,
     evaluate,
     gradcheck,
@@ -21,6 +22,7 @@ from jagg_pipeline.cli import (
     score_images,
     summarize,
     toyworld,
+    track,
     train,
 )
 
@@ -33,6 +35,8 @@ COMMANDS = (
     train,
     evaluate,
     summarize,
+    track,
+    compare,
     score_images,
 )
 

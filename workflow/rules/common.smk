@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.configtools import to_dict
+from jagg_pipeline.configtools import digest, to_dict
 from jagg_pipeline.experiments import (
     evaluated_rounds,
     resolve_runs,
@@ -59,11 +59,16 @@ def _write_if_changed(path, text):
     staging.replace(path)
 
 
-# Each run's resolved config, read by all of its jobs (params carry the section digests).
+# Each run's resolved config, read by all of its jobs (params carry the section digests), and
+# the overrides that made it (a tag of its tracked run).
 for _run in RUNS.values():
     _write_if_changed(
         f"{_run.directory}/config.yaml",
         yaml.safe_dump(to_dict(_run.config), sort_keys=False),
+    )
+    _write_if_changed(
+        f"{_run.directory}/overrides.yaml",
+        yaml.safe_dump(_run.overrides, sort_keys=True),
     )
 
 
@@ -205,11 +210,12 @@ def _runs(experiment):
 
 
 def experiment_target(experiment):
-    """Input function of a target rule: the experiment's summary (which needs every run)."""
+    """Input function of a target rule: the experiment tracked (after its summary, which
+    needs every run)."""
 
     def inputs(wildcards):
         _runs(experiment)
-        return f"{RESULTS}/{experiment}/summary/table.md"
+        return f"{RESULTS}/{experiment}/tracking/tracked.json"
 
     inputs.__name__ = f"{experiment}_target"
     return inputs
@@ -233,25 +239,13 @@ def summary_folder(wildcards):
     return f"{RESULTS}/{wildcards.experiment}/summary"
 
 
-def report_experiments(wildcards):
-    """The experiments whose summaries the report collects (workflow.report)."""
-    return list(WORKFLOW.report)
+def tracking_digest(wildcards):
+    """The digest of the tracking sections of an experiment's runs (where track pushes)."""
+    return digest([to_dict(run.config.tracking) for run in _runs(wildcards.experiment)])
 
 
 def report_inputs(wildcards):
-    """The summaries the report collects."""
+    """The comparison pages of the experiments named in workflow.report."""
     return [
-        f"{RESULTS}/{name}/summary/table.md" for name in WORKFLOW.report if _runs(name)
+        f"{RESULTS}/report/{name}/index.html" for name in WORKFLOW.report if _runs(name)
     ]
-
-
-def write_report_index(tables, index, experiments):
-    """One markdown page: each experiment's table and curves (links relative to the page)."""
-    lines = ["# jagg-pipeline report", ""]
-    for name, table in zip(experiments, tables):
-        lines += [
-            Path(table).read_text(),
-            f"![{name}](../{name}/summary/curves.png)",
-            "",
-        ]
-    Path(index).write_text("\n".join(lines))

@@ -1,0 +1,61 @@
+"""``compare``: one target's runs read back from MLflow (or their folders) into an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jagg_pipeline.cli.common import stage_errors
+from jagg_pipeline.cli.track import add_runs_argument, parse_runs
+
+HELP = "compare a target's runs from MLflow: index.html, table.md, curves/speed/cos-sim PNGs"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``compare`` subcommand."""
+    p = sub.add_parser(
+        "compare",
+        help=HELP,
+        description=(
+            "Reads the runs of TARGET back from MLflow (tracking.backend: mlflow; they must "
+            "have been pushed with `track`) or, with tracking off, from their folders, and "
+            "writes into OUT: index.html, table.md (mean +- std over seeds per variant), "
+            "curves.png (held-out metrics and rollout reward vs round, seed bands), speed.png "
+            "(update seconds per round, speed-up vs the exact variant) and cos_sim.png "
+            "(per-window cos-sim vs round, when jagg_frac: auto or jagg.probe_every probed it)."
+        ),
+    )
+    add_runs_argument(p)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.compare import write_comparison
+    from jagg_pipeline.errors import InputError
+    from jagg_pipeline.summary import read_run
+    from jagg_pipeline.tracking import open_tracker, run_key, run_metrics, tracking_of, tracking_uri
+
+    runs = parse_runs(args)
+    with stage_errors():
+        tracking = tracking_of([directory for _, _, directory in runs])
+        if tracking.backend == "none":
+            metrics = [read_run(directory, variant, seed) for variant, seed, directory in runs]
+            source = "the run folders (tracking.backend: none)"
+        else:
+            tracked = {
+                t.tags.get("jagg_run_key"): t for t in open_tracker(tracking).runs(args.target)
+            }
+            keys = [run_key(d, args.target, v, s) for v, s, d in runs]
+            missing = [key for key in keys if key not in tracked]
+            if missing:
+                raise InputError(
+                    f"not in MLflow experiment {tracking.experiment!r} at "
+                    f"{tracking_uri(tracking)}: {', '.join(missing)}; push them with `track`"
+                )
+            metrics = [run_metrics(tracked[key]) for key in keys]
+            source = f"MLflow ({tracking_uri(tracking)}, experiment {tracking.experiment})"
+        write_comparison(metrics, args.out, args.target, source)
+    print((args.out / "table.md").read_text())
+    print(f"comparison written to {args.out}/index.html (runs from {source})")
+    return 0

@@ -1,0 +1,72 @@
+"""``track``: push finished runs of one workflow target to the tracker (MLflow or none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jagg_pipeline.cli.common import stage_errors
+
+HELP = "push finished runs (stage folders) to MLflow: params, metrics per round, grids"
+
+
+def add_runs_argument(p: argparse.ArgumentParser) -> None:
+    """``--run VARIANT SEED DIR`` (repeated): the runs of a target."""
+    p.add_argument(
+        "--run",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("VARIANT", "SEED", "DIR"),
+        help="a run folder (with its resolved config.yaml) and its variant and seed; repeat",
+    )
+    p.add_argument("--target", required=True, help="the workflow target (experiment) name")
+
+
+def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
+    """The ``--run`` triples with integer seeds."""
+    runs = []
+    for variant, seed, directory in args.run:
+        if not seed.isdigit():
+            raise SystemExit(f"error: --run {variant} {seed} {directory}: SEED must be an integer")
+        runs.append((variant, int(seed), Path(directory)))
+    return runs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``track`` subcommand."""
+    p = sub.add_parser(
+        "track",
+        help=HELP,
+        description=(
+            "Reads each run's folders (config.yaml, round-*/{rollout,scores,checkpoint}/"
+            "metrics.jsonl, eval/trained-*) and pushes them as one MLflow run per variant and "
+            "seed under a parent run per target, into tracking.experiment at "
+            "MLFLOW_TRACKING_URI or tracking.uri. Idempotent: a second push adds only what is "
+            "new. With tracking.backend: none, nothing is pushed and mlflow is not imported."
+        ),
+    )
+    add_runs_argument(p)
+    p.add_argument(
+        "--parent-file",
+        action="append",
+        default=[],
+        type=Path,
+        help="a file attached to the target's parent run (e.g. the summary's curves.png)",
+    )
+    p.add_argument("--out", type=Path, help="write {run key: MLflow run id} here (JSON)")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.artifacts import atomic_write_text
+    from jagg_pipeline.tracking import track_runs
+
+    with stage_errors():
+        pushed = track_runs(parse_runs(args), args.target, args.parent_file)
+    if args.out:
+        atomic_write_text(args.out, json.dumps(pushed, indent=1, sort_keys=True) + "\n")
+    for key, run_id in pushed.items():
+        print(f"{key}: {run_id or 'not tracked (tracking.backend: none)'}")
+    return 0

@@ -1,0 +1,191 @@
+"""The comparison report of one target's runs: an HTML page with PNG plots and a markdown table.
+
+Runs come from the tracker (read back from MLflow, as :func:`jagg_pipeline.tracking.run_metrics`
+rebuilds them) or, with tracking off, from their folders; either way they are compared by
+:mod:`jagg_pipeline.summary`'s functions. Plots: held-out metrics and rollout reward vs round
+with seed bands (``curves.png``); update-stage seconds per round and the speed-up over the
+``exact`` variant (``speed.png``); per-window cos-sim with the exact gradient vs round, when
+``jagg_frac: auto`` or ``jagg.probe_every`` probed it (``cos_sim.png``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jagg_pipeline.artifacts import atomic_output, atomic_write_text
+from jagg_pipeline.summary import UPDATE_PARTS, RunMetrics, plot, summarise, table
+
+PROBE = re.compile(r"^probe\.(\d+)\.(jagg|no_interp)\.cos_sim$")
+WINDOW_MODE = re.compile(r"^windows\.\d+\.mode$")
+REFERENCE = "exact"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure: Any, path: Path) -> Path:
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format="png")
+    _pyplot().close(figure)
+    return path
+
+
+def update_seconds(runs: Sequence[RunMetrics]) -> dict[str, dict[int, float]]:
+    """Per variant: update-stage seconds (forward + backward + optimizer) per round, seed mean."""
+    per_variant: dict[str, dict[int, list[float]]] = {}
+    for run in runs:
+        rounds: dict[int, float] = {}
+        for line in run.stage("train"):
+            seconds = sum(line.get(f"time.{part}") or 0.0 for part in UPDATE_PARTS)
+            rounds[line["round"]] = rounds.get(line["round"], 0.0) + seconds
+        for round_index, seconds in rounds.items():
+            per_variant.setdefault(run.variant, {}).setdefault(round_index, []).append(seconds)
+    return {
+        variant: {r: statistics.fmean(v) for r, v in sorted(rounds.items())}
+        for variant, rounds in per_variant.items()
+    }
+
+
+def plot_speed(seconds: Mapping[str, Mapping[int, float]], path: Path, title: str = "") -> Path:
+    """Update seconds per round, and each variant's speed-up over ``exact`` (mean over rounds)."""
+    plt = _pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    for variant, rounds in seconds.items():
+        left.plot(list(rounds), list(rounds.values()), marker="o", markersize=3, label=variant)
+    left.set(title="update stage per round", xlabel="round", ylabel="seconds")
+    left.grid(alpha=0.3)
+    left.legend()
+    means = {v: statistics.fmean(r.values()) for v, r in seconds.items() if r}
+    if REFERENCE in means:
+        names = list(means)
+        speedups = [means[REFERENCE] / means[v] for v in names]
+        bars = right.bar(names, speedups, color="tab:green")
+        right.bar_label(bars, fmt="%.2fx")
+        right.axhline(1.0, color="grey", linewidth=1)
+        right.set(title=f"speed-up of the update stage vs {REFERENCE}", ylabel="x")
+    else:
+        right.text(0.5, 0.5, f"no '{REFERENCE}' variant to compare with", ha="center")
+        right.set_axis_off()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    return _save(figure, path)
+
+
+def approximation(run: RunMetrics) -> str:
+    """The approximate gradient a run trains with: ``no_interp`` or ``jagg``.
+
+    Exact runs, and runs that route every window to exact, are shown for ``jagg``.
+    """
+    modes = {
+        value
+        for line in run.stage("train")
+        for key, value in line.items()
+        if WINDOW_MODE.match(key)
+    }
+    return "no_interp" if "no_interp" in modes else "jagg"
+
+
+def cos_sims(runs: Sequence[RunMetrics]) -> dict[str, dict[tuple[int, int], float]]:
+    """Per variant: probed cos-sim of its approximation with the exact gradient.
+
+    Keys ``"<variant> (<approximation>)"``, values by (window, round), mean over seeds.
+    """
+    found: dict[str, dict[tuple[int, int], list[float]]] = {}
+    for run in runs:
+        mode = approximation(run)
+        label = f"{run.variant} ({mode})"
+        for line in run.stage("train"):
+            for key, value in line.items():
+                match = PROBE.match(key)
+                if match and match.group(2) == mode and value is not None:
+                    cell = (int(match.group(1)), line["round"])
+                    found.setdefault(label, {}).setdefault(cell, []).append(value)
+    return {v: {c: statistics.fmean(x) for c, x in cells.items()} for v, cells in found.items()}
+
+
+def plot_cos_sims(
+    cells: Mapping[str, Mapping[tuple[int, int], float]], path: Path, title: str = ""
+) -> Path:
+    """One heatmap per variant: window (rows) x round (columns), colour = cos-sim."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.6), dpi=100)
+    axes = axes if len(cells) > 1 else [axes]
+    for axis, (variant, values) in zip(axes, cells.items(), strict=True):
+        windows = sorted({w for w, _ in values})
+        rounds = sorted({r for _, r in values})
+        grid = [[values.get((w, r), float("nan")) for r in rounds] for w in windows]
+        image = axis.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        axis.set_xticks(range(len(rounds)), rounds)
+        axis.set_yticks(range(len(windows)), windows)
+        axis.set(
+            title=f"{variant}: cos-sim with exact", xlabel="round", ylabel="window (0: high noise)"
+        )
+        for (row, column), value in np.ndenumerate(np.asarray(grid)):
+            colour = "black" if value > 0.5 else "white"  # readable on viridis
+            axis.text(column, row, f"{value:.2f}", ha="center", va="center", color=colour)
+        figure.colorbar(image, ax=axis)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    return _save(figure, path)
+
+
+def _html(title: str, source: str, markdown: str, images: Mapping[str, str]) -> str:
+    rows = [line for line in markdown.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    head, body = (cells[0], cells[2:]) if cells else ([], [])
+    table_html = "<table>\n<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>\n"
+    for row in body:
+        table_html += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n"
+    table_html += "</table>"
+    figures = "\n".join(
+        f'<figure><img src="{name}" alt="{html.escape(caption)}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        for name, caption in images.items()
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px}}img{{max-width:100%}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>Runs read from {html.escape(source)}. Mean +- std over seeds.</p>
+{table_html}
+{figures}
+</body></html>
+"""
+
+
+def write_comparison(
+    runs: Sequence[RunMetrics], out: str | Path, title: str, source: str
+) -> dict[str, Any]:
+    """``index.html``, ``table.md`` and the PNGs of ``runs`` in the folder ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(runs)
+    markdown = table(summary)
+    atomic_write_text(out / "table.md", f"## {title}\n\n{markdown}")
+    images = {"curves.png": "held-out metrics and rollout reward vs round (seed bands)"}
+    plot(summary, out / "curves.png", title)
+    plot_speed(update_seconds(runs), out / "speed.png", title)
+    images["speed.png"] = "update-stage seconds per round and speed-up vs exact"
+    if cells := cos_sims(runs):
+        plot_cos_sims(cells, out / "cos_sim.png", title)
+        images["cos_sim.png"] = (
+            "per-window cos-sim of each variant's approximation with the exact gradient vs round"
+        )
+    atomic_write_text(out / "index.html", _html(title, source, markdown, images))
+    return summary

@@ -1,0 +1,257 @@
+"""Experiment tracking: a run's finished stage folders pushed to a tracker, and read back.
+
+Stages never track anything: the workflow's ``track`` rule calls :func:`track_runs` once the
+runs are finished. A run becomes a :class:`RunRecord` (params = the flattened resolved config,
+tags, metrics with step = round, artifacts), which a tracker pushes idempotently: the run is
+found again by its ``jagg_run_key`` tag (experiment/variant/seed@config digest), metric points
+already there are not logged twice. :func:`open_tracker` gives the MLflow tracker
+(:mod:`jagg_pipeline.tracking.mlflow_store`, the only module that imports mlflow) or, for
+``tracking.backend: none``, :class:`NullTracker`, which imports nothing.
+
+Metric names are ``<stage>/<key>`` of the stages' metrics.jsonl lines (rollout, score,
+evaluate: one line per round; train: one line per optimizer step, folded into one value per
+round: times and call counts summed, the rest averaged), so :func:`lines_from_points` turns
+them back into the lines :mod:`jagg_pipeline.summary` reads: the comparison is computed the
+same way from MLflow as from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from jagg_pipeline import __version__
+from jagg_pipeline.config import TrackingConfig
+from jagg_pipeline.configtools import digest
+from jagg_pipeline.summary import RunMetrics, read_run
+
+RUN_KEY_TAG = "jagg_run_key"
+PARENT_TAG = "jagg_parent"
+# Train keys summed over a round's optimizer steps (the rest are averaged).
+SUMMED = re.compile(
+    r"^(time\.|backward_calls$|network_calls$|samples$|windows\.\d+\.backward_calls$)"
+)
+# Flattened structure, not measurements.
+SKIPPED = re.compile(
+    r"^(global_step|skipped_steps|windows\.\d+\.(window|steps\.\d+)"
+    r"|probe\.\d+\.(index|steps\.\d+|sigma_start|sigma_end))$"
+)
+Point = tuple[str, float, int]
+
+
+@dataclass
+class RunRecord:
+    """Everything pushed for one run (experiment, variant, seed)."""
+
+    key: str
+    target: str
+    name: str
+    params: dict[str, str]
+    tags: dict[str, str]
+    metrics: list[Point]
+    artifacts: list[tuple[Path, str]] = field(default_factory=list)
+
+
+@dataclass
+class TrackedRun:
+    """A run read back from a tracker: its tags and every metric point."""
+
+    variant: str
+    seed: int
+    tags: dict[str, str]
+    metrics: list[Point]
+
+
+class Tracker(Protocol):
+    """Where runs go: push them (idempotently) and read an experiment's runs back."""
+
+    def push(self, record: RunRecord, parent_files: Sequence[Path] = ()) -> str: ...
+
+    def runs(self, target: str) -> list[TrackedRun]: ...
+
+
+class NullTracker:
+    """``tracking.backend: none``: pushes nothing, has nothing."""
+
+    def push(self, record: RunRecord, parent_files: Sequence[Path] = ()) -> str:
+        return ""
+
+    def runs(self, target: str) -> list[TrackedRun]:
+        return []
+
+
+def tracking_uri(config: TrackingConfig) -> str:
+    """``MLFLOW_TRACKING_URI`` when set (a server for a cluster), else ``tracking.uri``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.uri
+
+
+def open_tracker(config: TrackingConfig) -> Tracker:
+    """The tracker of ``config`` (mlflow is imported only for ``backend: mlflow``)."""
+    if config.backend == "none":
+        return NullTracker()
+    from jagg_pipeline.tracking.mlflow_store import MlflowTracker
+
+    return MlflowTracker(tracking_uri(config), config.experiment)
+
+
+def _flat(value: Any, prefix: str, out: dict[str, str]) -> None:
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            _flat(item, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = json.dumps(value) if not isinstance(value, str) else value
+
+
+def flat_params(config: Mapping[str, Any]) -> dict[str, str]:
+    """The resolved config as ``dotted.key -> value`` strings (MLflow params)."""
+    out: dict[str, str] = {}
+    _flat(config, "", out)
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+def metric_points(run: RunMetrics) -> list[Point]:
+    """``(stage/key, value, round)`` for every numeric metric of the run's lines."""
+    points: list[Point] = []
+    per_round: dict[tuple[str, int], list[float]] = {}
+    for line in run.lines:
+        stage, round_index = line["stage"], line["round"]
+        if round_index is None:
+            continue
+        for key, value in line.items():
+            number = _number(value)
+            if key in ("stage", "round", "step") or number is None or SKIPPED.match(key):
+                continue
+            if stage == "train":
+                per_round.setdefault((key, round_index), []).append(number)
+            else:
+                points.append((f"{stage}/{key}", number, round_index))
+    for (key, round_index), values in per_round.items():
+        value = sum(values) if SUMMED.match(key) else statistics.fmean(values)
+        points.append((f"train/{key}", value, round_index))
+    return sorted(points, key=lambda p: (p[0], p[2]))
+
+
+def lines_from_points(points: Iterable[Point]) -> list[dict[str, Any]]:
+    """The inverse of :func:`metric_points`: one metrics line per (stage, round)."""
+    lines: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, value, step in points:
+        stage, key = name.split("/", 1)
+        line = lines.setdefault((stage, step), {"stage": stage, "round": step, "step": 0})
+        line[key] = value
+    return [lines[k] for k in sorted(lines)]
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def run_key(directory: str | Path, target: str, variant: str, seed: int) -> str:
+    """A run's identity in the tracker: ``target/variant/seed-s@<config digest>``.
+
+    An edited variant is a new run; the old one stays in the tracker for comparison.
+    """
+    config = yaml.safe_load((Path(directory) / "config.yaml").read_text())
+    return f"{target}/{variant}/seed-{seed}@{digest(config)[:12]}"
+
+
+def run_record(
+    directory: str | Path, target: str, variant: str, seed: int, snakemake_target: str = ""
+) -> RunRecord:
+    """What is pushed for the run in ``directory`` (its resolved ``config.yaml`` included)."""
+    directory = Path(directory)
+    config = yaml.safe_load((directory / "config.yaml").read_text())
+    overrides_file = directory / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else {}
+    key = run_key(directory, target, variant, seed)
+    tags = {
+        RUN_KEY_TAG: key,
+        "jagg_target": target,
+        "jagg_variant": variant,
+        "jagg_seed": str(seed),
+        "jagg_overrides": json.dumps(overrides, sort_keys=True),
+        "jagg_version": __version__,
+        "snakemake_target": snakemake_target or target,
+    }
+    if commit := _git_commit():
+        tags["git_commit"] = commit
+    if job := os.environ.get("SLURM_JOB_ID"):
+        tags["slurm_job_id"] = job
+    metrics = read_run(directory, variant, seed)
+    artifacts = [(directory / "config.yaml", "")]
+    artifacts += [(grid, f"eval/trained-{n:04d}") for n, grid in sorted(metrics.grids.items())]
+    return RunRecord(
+        key=key,
+        target=target,
+        name=f"{variant}/seed-{seed}",
+        params=flat_params(config),
+        tags=tags,
+        metrics=metric_points(metrics),
+        artifacts=[(path, where) for path, where in artifacts if path.is_file()],
+    )
+
+
+def run_metrics(run: TrackedRun) -> RunMetrics:
+    """A tracked run as :mod:`jagg_pipeline.summary` reads runs from their folders."""
+    metrics = RunMetrics(run.variant, run.seed, lines_from_points(run.metrics))
+    for line in metrics.stage("evaluate"):
+        metrics.evaluations[line["round"]] = {
+            key: value
+            for key, value in line.items()
+            if key not in ("stage", "round", "step") and not key.endswith("_std")
+        }
+    return metrics
+
+
+def tracking_of(directories: Sequence[str | Path]) -> TrackingConfig:
+    """The one ``tracking`` section of the runs in ``directories`` (they must agree)."""
+    from jagg_pipeline.configtools import ConfigError, from_dict
+
+    sections = {
+        json.dumps(yaml.safe_load((Path(d) / "config.yaml").read_text()).get("tracking") or {})
+        for d in directories
+    }
+    if len(sections) != 1:
+        raise ConfigError(f"tracking: the runs disagree ({' vs '.join(sorted(sections))})")
+    return from_dict(TrackingConfig, json.loads(sections.pop()), prefix="tracking")
+
+
+def track_runs(
+    runs: Sequence[tuple[str, int, str | Path]],
+    target: str,
+    parent_files: Sequence[Path] = (),
+    snakemake_target: str = "",
+) -> dict[str, str]:
+    """Push ``runs`` ((variant, seed, directory) of one target); run key -> tracker run id."""
+    tracker = open_tracker(tracking_of([d for _, _, d in runs]))
+    pushed = {}
+    for variant, seed, directory in runs:
+        record = run_record(directory, target, variant, seed, snakemake_target)
+        pushed[record.key] = tracker.push(record, parent_files)
+    return pushed

@@ -1,0 +1,69 @@
+# An experiment's finished runs pushed to MLflow (tracking section of the runs' config), then
+# read back from it into the comparison report. Both run on the submitting host (localrules):
+# a SQLite store is written by one process at a time, never from several cluster nodes.
+
+
+rule track:
+    input:
+        summary=f"{RESULTS}/{{experiment}}/summary/table.md",
+        curves=f"{RESULTS}/{{experiment}}/summary/curves.png",
+    output:
+        f"{RESULTS}/{{experiment}}/tracking/tracked.json",
+    log:
+        f"{LOGS}/{{experiment}}/track.log",
+    conda:
+        "../../envs/summary.yaml"
+    container:
+        CONTAINERS.summary
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        runs=summary_arguments,
+        digest=tracking_digest,
+    shell:
+        "{params.python} -m jagg_pipeline track --target {wildcards.experiment} {params.runs}"
+        " --parent-file {input.summary} --parent-file {input.curves} --out {output} > {log} 2>&1"
+
+
+rule compare:
+    input:
+        f"{RESULTS}/{{experiment}}/tracking/tracked.json",
+    output:
+        html=f"{RESULTS}/report/{{experiment}}/index.html",
+        table=f"{RESULTS}/report/{{experiment}}/table.md",
+        curves=report(
+            f"{RESULTS}/report/{{experiment}}/curves.png",
+            caption="../report/compare.rst",
+            category="comparison (read back from MLflow)",
+            subcategory="{experiment}",
+        ),
+        speed=report(
+            f"{RESULTS}/report/{{experiment}}/speed.png",
+            caption="../report/speed.rst",
+            category="comparison (read back from MLflow)",
+            subcategory="{experiment}",
+        ),
+    log:
+        f"{LOGS}/{{experiment}}/compare.log",
+    conda:
+        "../../envs/summary.yaml"
+    container:
+        CONTAINERS.summary
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+        cpus_per_task=1,
+    params:
+        python=PYTHON,
+        runs=summary_arguments,
+        out=parent_folder,
+    shell:
+        "{params.python} -m jagg_pipeline compare --target {wildcards.experiment} {params.runs}"
+        " --out {params.out} > {log} 2>&1"
