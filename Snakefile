@@ -26,6 +26,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/track.smk"
+include: "workflow/rules/bench.smk"
 
 
 localrules:
@@ -35,6 +36,7 @@ localrules:
     sweep_jagg_frac,
     sweep_window,
     sweep_backbone,
+    bench,
     report,
     track,
     compare,
@@ -74,6 +76,12 @@ rule sweep_backbone:
     """JAGG on each toy backbone family."""
     input:
         experiment_target("sweep_backbone"),
+
+
+rule bench:
+    """The speed benchmark: results/bench/{bench.json, bench.csv, speedup.png}."""
+    input:
+        rules.bench_update.output,
 
 
 rule report:

@@ -313,6 +313,11 @@ class SamplerConfig:
         exclusive_minimum=0,
         maximum=1,
     )
+    store_velocities: bool = field(
+        True,
+        help="store each trained step's velocity with the rollout (one latent per trained step "
+        "and sample), so the first optimizer step of a round skips JAGG's interior forwards",
+    )
     window_size: int = field(8, help="'window' only: consecutive SDE steps", minimum=1)
     window_start: list[int] = field(
         default_factory=lambda: [0, 0],
@@ -386,6 +391,11 @@ class JaggConfig:
     auto_every: int = field(10, help="'auto': re-probe every K rounds", minimum=1)
     auto_probe_groups: int = field(
         2, help="prompt groups in the probe batch (of 'auto' and of probe_every)", minimum=1
+    )
+    reuse_velocities: bool = field(
+        True,
+        help="on a round's on-policy optimizer step (weights still those that sampled the "
+        "rollout), take interior velocities from the rollout instead of recomputing them",
     )
     probe_every: int = field(
         0,

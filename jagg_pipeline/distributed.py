@@ -173,6 +173,26 @@ def set_gradient_sync(root: nn.Module, enabled: bool) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def count_reduce_scatters() -> dict[str, int]:
+    """Count the collectives FSDP2 reduces gradients with, from now on; the live counter.
+
+    For measurements (the benchmark, the FSDP tests): wraps ``torch.distributed``'s
+    reduce-scatter functions in this process for good.
+    """
+    counter = {"calls": 0}
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            counter["calls"] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    return counter
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of a sharded tensor (a collective: every rank must call it)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -68,6 +68,8 @@ class GradcheckProblem:
     coeffs: sde.StepCoefficients
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
+    # v_k at each trained step as the sampler saw it (what a rollout stores for reuse).
+    velocities: dict[int, torch.Tensor]
 
     @property
     def velocity(self) -> sde.Velocity:
@@ -142,14 +144,16 @@ def _tiny_backbone(settings: GradcheckSettings) -> Backbone:
         )
 
 
-def build_problem(settings: GradcheckSettings) -> GradcheckProblem:
+def build_problem(
+    settings: GradcheckSettings, backbone: Backbone | None = None
+) -> GradcheckProblem:
     """The backbone, a trajectory batch on it and the GRPO data, all from ``settings.seed``.
 
     Analytic backbones use the static-shift schedule (``settings.shift``) and random
-    conditioning vectors; tiny diffusers backbones their checkpoint's schedule and encoded
-    toy captions.
+    conditioning vectors; diffusers backbones (tiny ones, or ``backbone`` when given, which
+    replaces ``settings.backbone``) their checkpoint's schedule and encoded toy captions.
     """
-    if settings.backbone not in BACKBONES:
+    if backbone is None and settings.backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {BACKBONES}, got {settings.backbone!r}")
     if settings.trajectory not in TRAJECTORIES:
         raise ValueError(f"trajectory must be one of {TRAJECTORIES}, got {settings.trajectory!r}")
@@ -161,11 +165,10 @@ def build_problem(settings: GradcheckSettings) -> GradcheckProblem:
     coeffs = sde.StepCoefficients("flow_grpo", settings.noise_level)
     gen = torch.Generator().manual_seed(settings.seed + 1)
 
-    backbone: AnalyticBackbone | Backbone
-    if settings.backbone in TINY_BACKBONES:
+    if backbone is not None or settings.backbone in TINY_BACKBONES:
         from jagg_pipeline.backbones.tiny import toy_captions
 
-        backbone = _tiny_backbone(settings)
+        backbone = backbone or _tiny_backbone(settings)
         sigmas = backbone.sigmas(settings.num_steps).to(torch.float64)
         captions = toy_captions()
         cond = backbone.encode_prompts([captions[i % len(captions)] for i in range(settings.batch)])
@@ -178,6 +181,7 @@ def build_problem(settings: GradcheckSettings) -> GradcheckProblem:
         x_init = torch.randn(settings.batch, *backbone.latent_shape, generator=gen, dtype=dtype)
         traj = sde.sample(backbone.velocity, cond, x_init, sigmas, masks, coeffs, gen)
         latents, old_log_probs = traj.latents, traj.log_probs
+        velocities = {k: traj.velocities[:, j] for j, k in enumerate(steps)}
     else:
         latents = _chord_latents(settings.batch, backbone.latent_shape, sigmas, dtype, gen)
         old_log_probs = torch.zeros(
@@ -186,13 +190,29 @@ def build_problem(settings: GradcheckSettings) -> GradcheckProblem:
         old_log_probs[:, steps] = recompute_log_probs(
             backbone.velocity, latents, sigmas, cond, steps, coeffs
         )
+        with torch.no_grad():
+            velocities = {
+                k: backbone.velocity(
+                    latents[:, k], sde.sigma_batch(sigmas, k, len(latents), latents.dtype), cond
+                )
+                for k in steps
+            }
 
     rewards = torch.randn(settings.batch, generator=gen, dtype=torch.float64)
     advantages = grpo.group_advantages(
         rewards, torch.zeros(settings.batch, dtype=torch.long)
     ).values
     return GradcheckProblem(
-        settings, backbone, latents, sigmas, cond, steps, coeffs, old_log_probs, advantages
+        settings,
+        backbone,
+        latents,
+        sigmas,
+        cond,
+        steps,
+        coeffs,
+        old_log_probs,
+        advantages,
+        velocities,
     )
 
 

@@ -7,7 +7,8 @@ G ~ J_0^T s_base + J_{W-1}^T s_corr: one backward through the network instead of
 (DESIGN section 4). The schedule here:
 
 1. both endpoints in ONE stacked forward with grad;
-2. the W - 2 interior steps in ONE batched no-grad forward (no endpoint is evaluated twice);
+2. the W - 2 interior steps in ONE batched no-grad forward (no endpoint is evaluated twice),
+   or none at all on the on-policy step: the rollout's own velocities are those v_j;
 3. every s_j by autograd through the step loss only, on a detached proxy of v_j;
 4. ONE backward of the stacked endpoint output with grad_outputs [s_base; s_corr].
 
@@ -20,7 +21,7 @@ dict/tuple of tensors batched along dim 0, or None.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ class WindowStats:
     ``network_calls`` velocity calls, ``backward_calls`` backward calls into the network (under
     FSDP2, one reduce-scatter per parameter group each).
     ``loss`` sums the step losses that the mode evaluated (no_interp/drop skips interiors).
+    ``reused_rows`` counts interior velocities taken from the rollout instead of a forward.
     """
 
     steps: list[int]
@@ -52,6 +54,7 @@ class WindowStats:
     forward_rows: int = 0
     network_calls: int = 0
     backward_calls: int = 0
+    reused_rows: int = 0
 
 
 def repeat_cond(cond: Any, times: int) -> Any:
@@ -136,7 +139,7 @@ def _endpoint_weights(
 
 
 def _aggregated(
-    velocity, step_loss, latents, sigmas, cond, stats: WindowStats, weights, no_interp, stack
+    velocity, step_loss, latents, sigmas, cond, stats: WindowStats, weights, no_interp, stack, known
 ) -> None:
     steps = stats.steps
     k0, k_last = steps[0], steps[-1]
@@ -148,6 +151,12 @@ def _aggregated(
     groups = [[k0, k_last]] if stack else [[k0], [k_last]]
     outputs = [_evaluate(velocity, latents, sigmas, cond, group) for group in groups]
     velocities = dict(zip((k0, k_last), torch.cat(outputs).detach().chunk(2), strict=True))
+    # Interior velocities the caller already has (the rollout's, while the weights are still
+    # the ones that sampled it) need no forward: only their signals s_j enter the gradient.
+    reused = [k for k in interior if known is not None and k in known]
+    velocities.update((k, known[k].to(outputs[0].device, outputs[0].dtype)) for k in reused)
+    stats.reused_rows += len(reused)
+    interior = [k for k in interior if k not in velocities]
     if interior:
         with torch.no_grad():
             for group in [interior] if stack else [[k] for k in interior]:
@@ -184,6 +193,7 @@ def window_gradient(
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
+    known_velocities: Mapping[int, torch.Tensor] | None = None,
 ) -> WindowStats:
     """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
 
@@ -196,6 +206,10 @@ def window_gradient(
     ``stack_forwards=False`` evaluates each step at the sample batch size (W network calls,
     still one ``backward`` call over both endpoint outputs): slower on accelerators, but
     recomputed log-probs then equal the rollout's bit for bit (ratio == 1 exactly).
+    ``known_velocities`` (step -> v_k [B, ...]): interior velocities to use instead of the
+    interior forward, valid only while the parameters are those that produced them (the
+    rollout's, before the round's first optimizer step); then a window costs the endpoint
+    forward and one backward. Exact windows and endpoints always run the network.
     """
     if mode not in GRAD_MODES:
         raise ValueError(f"gradient mode must be one of {GRAD_MODES}, got {mode!r}")
@@ -206,7 +220,16 @@ def window_gradient(
         _exact(velocity, step_loss, latents, sigmas, cond, stats)
     else:
         _aggregated(
-            velocity, step_loss, latents, sigmas, cond, stats, weights, no_interp, stack_forwards
+            velocity,
+            step_loss,
+            latents,
+            sigmas,
+            cond,
+            stats,
+            weights,
+            no_interp,
+            stack_forwards,
+            known_velocities,
         )
     return stats
 
@@ -249,15 +272,24 @@ class TrajectoryStats:
     def network_calls(self) -> int:
         return sum(w.network_calls for w in self.windows)
 
+    @property
+    def reused_rows(self) -> int:
+        return sum(w.reused_rows for w in self.windows)
+
 
 @dataclass
 class MicroBatch:
-    """Trajectories of one micro-batch and their per-step loss, on the network's device."""
+    """Trajectories of one micro-batch and their per-step loss, on the network's device.
+
+    ``velocities``: step -> v_k as the current parameters compute it, when known (the
+    rollout's, on the on-policy optimizer step); the engines then skip interior forwards.
+    """
 
     latents: torch.Tensor
     sigmas: torch.Tensor
     cond: Any
     objective: StepLoss
+    velocities: Mapping[int, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -307,6 +339,7 @@ def accumulate_gradient(
             part.cond,
             steps,
             unit_mode,
+            known_velocities=part.velocities,
             **engine_options,
         )
         merged = stats[m][w]
@@ -316,6 +349,7 @@ def accumulate_gradient(
         merged.forward_rows += result.forward_rows
         merged.network_calls += result.network_calls
         merged.backward_calls += result.backward_calls
+        merged.reused_rows += result.reused_rows
     return stats
 
 
@@ -334,19 +368,21 @@ def trajectory_gradient(
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
+    known_velocities: Mapping[int, torch.Tensor] | None = None,
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
     :func:`accumulate_gradient` on a single micro-batch: windows routed by ``jagg_frac`` (or
     an explicit per-window ``routing``) use ``mode``; the others are exact. With
-    ``mode="exact"`` every window is exact whatever the routing.
+    ``mode="exact"`` every window is exact whatever the routing. ``known_velocities``: see
+    :func:`window_gradient`.
     """
     windows = split_windows(steps, window)
     if routing is None:
         routing = route_windows(len(windows), jagg_frac)
     (stats,) = accumulate_gradient(
         velocity,
-        [MicroBatch(latents, sigmas, cond, step_loss)],
+        [MicroBatch(latents, sigmas, cond, step_loss, known_velocities)],
         windows,
         routing,
         mode,

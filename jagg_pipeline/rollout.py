@@ -105,6 +105,7 @@ class RolloutPlan:
     masks: sde.StepMasks
     coeffs: sde.StepCoefficients
     micro_batches: list[range]
+    store_velocities: bool = False
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -136,6 +137,7 @@ def plan_rollout(config: Any, pool: Sequence[str], round_index: int = 0) -> Roll
         masks=step_masks(sampler, derive_seed(seed, "steps", round_index)),
         coeffs=step_coefficients(sampler),
         micro_batches=micro_batches(len(prompts), sampler.group_size, sampler.batch_size),
+        store_velocities=sampler.store_velocities,
     )
 
 
@@ -154,6 +156,7 @@ def generate(
     masks: sde.StepMasks,
     coeffs: sde.StepCoefficients,
     sample_ids: torch.Tensor | None = None,
+    store_velocities: bool = False,
 ) -> TrajectoryBatch:
     """Sample one micro-batch: sample ``i`` is prompt ``prompts[prompt_ids[i]]``, seed ``seeds[i]``.
 
@@ -180,6 +183,7 @@ def generate(
         cond={k: v.cpu() for k, v in cond.items()},
         images=images.cpu(),
         sample_ids=sample_ids,
+        velocities=trajectory.velocities.cpu() if store_velocities else None,
     )
 
 
@@ -217,6 +221,7 @@ def sample_batches(
                 plan.masks,
                 plan.coeffs,
                 index,
+                plan.store_velocities,
             )
         )
     return concatenate(parts)
@@ -280,13 +285,16 @@ def run_rollout(
             begin_output(out, (*SHARD_FILES, METRICS_NAME))
         barrier()
         start = time.perf_counter()
-        sample_rollout(backbone, plan, rank, world_size, progress and rank == 0).save(out, rank)
+        shard = sample_rollout(backbone, plan, rank, world_size, progress and rank == 0)
+        shard.save(out, rank)
         barrier()
         if rank == 0:
             seconds = time.perf_counter() - start
-            append_metrics(
-                out, STAGE, round_index, 0, {"samples": len(plan.seeds), "seconds": seconds}
-            )
+            # What storing the velocities for on-policy reuse costs on disk.
+            velocities = shard.velocities
+            extra = 0 if velocities is None else velocities[0].numel() * velocities.itemsize
+            metrics = {"samples": len(plan.seeds), "seconds": seconds}
+            append_metrics(out, STAGE, round_index, 0, metrics | {"velocity_bytes": extra})
             finish_output(
                 out,
                 config,

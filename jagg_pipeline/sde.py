@@ -300,13 +300,16 @@ class Trajectory:
     """A sampled batch: what training needs to recompute every trained step.
 
     ``latents`` [B, T+1, ...] (x_0 = initial noise ... x_T = final latent), ``log_probs``
-    [B, T] (0 where a step has no density), ``sigmas`` [T+1], and the step masks.
+    [B, T] (0 where a step has no density), ``sigmas`` [T+1], the step masks, and
+    ``velocities`` [B, n_trained, ...]: the network's velocity at each trained step
+    (``masks.trained_indices`` order), which on-policy training can reuse.
     """
 
     latents: torch.Tensor
     log_probs: torch.Tensor
     sigmas: torch.Tensor
     masks: StepMasks
+    velocities: torch.Tensor
 
 
 def draw_noise(
@@ -347,8 +350,11 @@ def sample(
     x = x_init
     latents = [x_init]
     log_probs = torch.zeros(batch, num_steps, dtype=compute_dtype(x_init.dtype))
+    trained = []
     for i in range(num_steps):
         v = velocity(x, sigma_batch(sigmas, i, batch, x.dtype), cond)
+        if masks.train[i]:
+            trained.append(v)
         noisy = bool(masks.sde[i])
         noise = None
         if noisy:
@@ -359,4 +365,6 @@ def sample(
         if noisy:
             log_probs[:, i] = log_prob(x, result.mean, result.std, coeffs.kind)
         latents.append(x)
-    return Trajectory(torch.stack(latents, dim=1), log_probs, sigmas, masks)
+    none = x_init.new_zeros(batch, 0, *x_init.shape[1:])
+    velocities = torch.stack(trained, dim=1) if trained else none
+    return Trajectory(torch.stack(latents, dim=1), log_probs, sigmas, masks, velocities)

@@ -29,7 +29,6 @@ checkpoint; rerunning the command recomputes the round, bit for bit on the CPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 import sys
@@ -52,6 +51,7 @@ from jagg_pipeline.optim import Ema, build_optimizer
 from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
 from jagg_pipeline.scoring import table_path
 from jagg_pipeline.tables import read_table
+from jagg_pipeline.timing import ForwardClock
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
 _TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
@@ -250,29 +250,6 @@ def decide_routing(
 # --------------------------------------------------------------------------------------------
 
 
-class _Clock:
-    """Seconds spent inside the wrapped velocity calls (forward passes)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds = 0.0
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def wrap(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        @functools.wraps(fn)
-        def timed(*args: Any) -> torch.Tensor:
-            start = time.perf_counter()
-            out = fn(*args)
-            self.sync()
-            self.seconds += time.perf_counter() - start
-            return out
-
-        return timed
-
-
 @contextmanager
 def _deterministic() -> Iterator[None]:
     """Deterministic kernels where torch has them (matters on CUDA), restored afterwards."""
@@ -331,6 +308,19 @@ def _log_step(row: dict[str, Any], steps: int) -> None:
     )
 
 
+def _interior_path(stats: Sequence[Sequence[jagg.WindowStats]], window: int) -> str:
+    """Where a window's interior velocities came from on this rank.
+
+    ``reused`` (the rollout's), ``recomputed`` (a no-grad forward) or ``none`` (none needed:
+    exact windows, W = 2, no_interp drop).
+    """
+    rows = [row[window] for row in stats]
+    if any(w.reused_rows for w in rows):
+        return "reused"
+    approximated = rows[0].mode != "exact"
+    return "recomputed" if approximated and any(w.forward_rows > 2 for w in rows) else "none"
+
+
 class _Trainer:
     """One round's live state on one rank: the sharded policy, optimizer, schedule and EMA."""
 
@@ -352,7 +342,10 @@ class _Trainer:
         else:
             self.generator.set_state(ckpt.read_rng_state(policy))
         self.skipped = 0 if previous is None else previous.skipped_steps
-        self.clock = _Clock(ctx.device)
+        # The weights are those that sampled the round's rollout (train_round checked the
+        # rollout's policy) until an optimizer step is applied: the on-policy state.
+        self.on_policy = True
+        self.clock = ForwardClock(ctx.device)
         mixed = train.mixed_precision == "bf16"
 
         self.backbone = load_policy(config, policy, ctx.device)
@@ -379,12 +372,17 @@ class _Trainer:
             self.ema = Ema(self.named, train.ema_decay, saved)
 
     def micro_batch(
-        self, data: RoundData, indices: Sequence[int], normalizer: float | None
+        self,
+        data: RoundData,
+        indices: Sequence[int],
+        normalizer: float | None,
+        reuse: bool = False,
     ) -> jagg.MicroBatch:
         """The samples ``indices`` on this rank's device with their GRPO objective.
 
         ``normalizer``: what the summed step losses are divided by (None: this batch's
-        samples times trained steps).
+        samples times trained steps). ``reuse``: attach the rollout's velocities (valid only
+        while :attr:`on_policy`).
         """
         from jagg_pipeline.rollout import step_coefficients
 
@@ -406,7 +404,9 @@ class _Trainer:
             reference=self.reference,
             cond=cond,
         )
-        return jagg.MicroBatch(latents, sigmas, cond, objective)
+        return jagg.MicroBatch(
+            latents, sigmas, cond, objective, part.step_velocities() if reuse else None
+        )
 
     def probe(self, data: RoundData, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Per-window agreement with the exact gradient on the samples ``indices``.
@@ -441,8 +441,9 @@ class _Trainer:
         samples = [i for rank in step_plan for m in rank for i in data.micro_batches[m]]
         # The objective is the mean over the step's samples on ALL ranks.
         normalizer = float(len(samples) * len(data.batch.trained_steps))
+        reuse = self.on_policy and jagg_config.reuse_velocities
         local = [
-            self.micro_batch(data, data.micro_batches[m], normalizer)
+            self.micro_batch(data, data.micro_batches[m], normalizer, reuse)
             for m in step_plan[self.ctx.rank]
         ]
         lr = self.scheduler.get_last_lr()[0]
@@ -479,6 +480,7 @@ class _Trainer:
                 "steps": list(chunk),
                 "mode": stats[0][w].mode,
                 "backward_calls": sum(row[w].backward_calls for row in stats),
+                "interior": _interior_path(stats, w),
             }
             for w, chunk in enumerate(windows)
         ]
@@ -513,6 +515,7 @@ class _Trainer:
         applied = math.isfinite(loss) and math.isfinite(grad_norm)
         if applied:
             self.optimizer.step()
+            self.on_policy = False
             if self.ema is not None:
                 self.ema.update(self.named)
         else:

@@ -27,6 +27,7 @@ COND_PREFIX = "cond."
 _SHARD = re.compile(r"^shard-(\d+)\.safetensors$")
 _TENSORS = ("latents", "log_probs", "sigmas", "sde_mask", "train_mask")
 _PER_SAMPLE = ("prompt_ids", "group_ids", "seeds")
+_OPTIONAL = ("images", "sample_ids", "velocities")
 
 
 @dataclass
@@ -37,7 +38,9 @@ class TrajectoryBatch:
     least; 0 on non-SDE steps), ``sigmas`` [T+1], the step masks [T] shared by the batch,
     ``prompt_ids`` [B] (indices into ``prompts``), ``group_ids`` [B] (GRPO groups),
     ``seeds`` [B] (each sample's noise seed), ``cond`` the conditioning, ``images`` uint8
-    [B, 3, H, W] or None, ``sample_ids`` [B] (each sample's index in the whole rollout) or None.
+    [B, 3, H, W] or None, ``sample_ids`` [B] (each sample's index in the whole rollout) or None,
+    ``velocities`` [B, n_trained, ...] the sampling policy's velocity at each trained step (in
+    ``trained_steps`` order, the latents' dtype) or None (``sampler.store_velocities: false``).
     """
 
     latents: torch.Tensor
@@ -52,6 +55,7 @@ class TrajectoryBatch:
     cond: dict[str, torch.Tensor] = field(default_factory=dict)
     images: torch.Tensor | None = None
     sample_ids: torch.Tensor | None = None
+    velocities: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         batch, steps = self.log_probs.shape
@@ -67,6 +71,9 @@ class TrajectoryBatch:
             checks["images"] = (self.images.shape[:1], (batch,))
         if self.sample_ids is not None:
             checks["sample_ids"] = (tuple(self.sample_ids.shape), (batch,))
+        if self.velocities is not None:
+            want = (batch, len(self.trained_steps), *self.latents.shape[2:])
+            checks["velocities"] = (tuple(self.velocities.shape), want)
         bad = {k: (tuple(got), want) for k, (got, want) in checks.items() if tuple(got) != want}
         if bad:
             raise ValueError(f"inconsistent trajectory batch (got, expected): {bad}")
@@ -98,7 +105,14 @@ class TrajectoryBatch:
             cond={k: v[index] for k, v in self.cond.items()},
             images=None if self.images is None else self.images[index],
             sample_ids=None if self.sample_ids is None else self.sample_ids[index],
+            velocities=None if self.velocities is None else self.velocities[index],
         )
+
+    def step_velocities(self) -> dict[int, torch.Tensor] | None:
+        """Trained step -> the sampled velocity [B, ...] at it (None: none stored)."""
+        if self.velocities is None:
+            return None
+        return {k: self.velocities[:, j] for j, k in enumerate(self.trained_steps)}
 
     def save(self, directory: str | Path, rank: int = 0) -> Path:
         """Write ``shard-<rank>.safetensors`` and ``shard-<rank>.json`` atomically."""
@@ -107,7 +121,7 @@ class TrajectoryBatch:
         directory = Path(directory)
         tensors = {name: getattr(self, name) for name in (*_TENSORS, *_PER_SAMPLE)}
         tensors.update({COND_PREFIX + k: v for k, v in self.cond.items()})
-        for name in ("images", "sample_ids"):
+        for name in _OPTIONAL:
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
@@ -130,8 +144,7 @@ class TrajectoryBatch:
             **{name: tensors[name] for name in (*_TENSORS, *_PER_SAMPLE)},
             prompts=meta["prompts"],
             cond=cond,
-            images=tensors.get("images"),
-            sample_ids=tensors.get("sample_ids"),
+            **{name: tensors.get(name) for name in _OPTIONAL},
         )
 
 
@@ -157,6 +170,9 @@ def concatenate(batches: list[TrajectoryBatch]) -> TrajectoryBatch:
     with_ids = [b.sample_ids is not None for b in batches]
     if any(with_ids) and not all(with_ids):
         raise ValueError("some shards carry sample_ids and others do not")
+    with_velocities = [b.velocities is not None for b in batches]
+    if any(with_velocities) and not all(with_velocities):
+        raise ValueError("some shards carry velocities and others do not")
     return TrajectoryBatch(
         latents=cat("latents"),
         log_probs=cat("log_probs"),
@@ -170,6 +186,7 @@ def concatenate(batches: list[TrajectoryBatch]) -> TrajectoryBatch:
         cond={k: torch.cat([b.cond[k] for b in batches]) for k in first.cond},
         images=cat("images") if has_images else None,
         sample_ids=cat("sample_ids") if all(with_ids) else None,
+        velocities=cat("velocities") if all(with_velocities) else None,
     )
 
 

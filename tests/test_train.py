@@ -220,6 +220,25 @@ def test_probe_every_measures_cos_sims_without_changing_training(tiny_sd3, base_
     assert "probe" not in plain.metrics[0] and first["time"]["probe"] > 0
 
 
+def test_rollout_velocities_are_reused_on_the_on_policy_step_only(tiny_sd3, base_rollout, tmp_path):
+    """minibatches 2: the first optimizer step (weights = the rollout's) reuses the stored
+    velocities, the second recomputes them; the result equals training without reuse."""
+    jagg = {"mode": "jagg", "window": 4, "jagg_frac": 1.0}
+    train = {"minibatches": 2}
+    fast = _train(make_config(tiny_sd3, jagg=jagg, train=train), base_rollout, tmp_path / "a")
+    jagg["reuse_velocities"] = False
+    slow = _train(make_config(tiny_sd3, jagg=jagg, train=train), base_rollout, tmp_path / "b")
+    paths = [[w["interior"] for w in row["windows"]] for row in fast.metrics]
+    assert paths == [["reused", "reused"], ["recomputed", "recomputed"]]
+    assert [[w["interior"] for w in row["windows"]] for row in slow.metrics] == [
+        ["recomputed"] * 2
+    ] * 2
+    assert fast.metrics[0]["network_calls"] < slow.metrics[0]["network_calls"]
+    assert fast.metrics[1]["network_calls"] == slow.metrics[1]["network_calls"]
+    # float64 on CPU: the stored velocities are the recomputed ones.
+    assert max_difference(policy_weights(tmp_path / "a"), policy_weights(tmp_path / "b")) <= 1e-15
+
+
 def test_decide_routing_probes_on_schedule():
     calls = []
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ TARGETS = (
     "sweep_window",
     "sweep_backbone",
     "report",
+    "bench",
 )
 
 
@@ -101,7 +103,8 @@ def test_train_rule_launches_torchrun_for_several_processes(tmp_path):
     assert len(trains) == 4
     launchers = {"jagg" if "/jagg/" in t else "exact": "--nproc_per_node 2" in t for t in trains}
     assert launchers == {"jagg": True, "exact": False}
-    assert all("torch.distributed.run --standalone" in t for t in trains if "/jagg/" in t)
+    launcher = f"{sys.executable} -m torch.distributed.run --standalone"
+    assert all(launcher in t for t in trains if "/jagg/" in t)
 
 
 BAD_CONFIGS = {

@@ -204,24 +204,6 @@ def base_rollout_fixture(tmp_path_factory) -> tuple[Path, Path]:
 # --------------------------------------------------------------------------------------------
 
 
-def _count_reduce_scatters() -> dict[str, int]:
-    """Wrap the collectives FSDP2 reduces gradients with; returns the live counter."""
-    import torch.distributed as dist
-
-    counter = {"calls": 0}
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def counting(*args, _original=original, **kwargs):
-            counter["calls"] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counting)
-    return counter
-
-
 def _worker(checkpoint: Path, out: Path) -> None:
     from jagg_pipeline import distributed, jagg
     from jagg_pipeline.backbones import BackboneSpec, load_backbone
@@ -229,7 +211,7 @@ def _worker(checkpoint: Path, out: Path) -> None:
     from jagg_pipeline.sde import StepCoefficients
 
     torch.set_num_threads(1)
-    counter = _count_reduce_scatters()
+    counter = distributed.count_reduce_scatters()
     spec = BackboneSpec(
         family="sd3",
         path=str(checkpoint),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jagg_pipeline import __version__
 from jagg_pipeline.cli import (
+    bench,
     compare,
     config,
     evaluate,
@@ -29,6 +30,7 @@ from jagg_pipeline.cli import (
 COMMANDS = (
     config,
     gradcheck,
+    bench,
     toyworld,
     rollout,
     score,

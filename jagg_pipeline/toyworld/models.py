@@ -30,10 +30,9 @@ LATENT_CHANNELS = 12  # 3 colour channels x 2 x 2 pixels
 LATENT_SIZE = IMAGE_SIZE // 2
 TEXT_WIDTH = 64  # every text encoder's width; also the transformers' joint attention width
 HEADS, HEAD_DIM = 2, 32  # transformer width 64, as in DESIGN section 6's prototype
-ROPE_AXES = (8, 12, 12)  # Flux/QwenImage rotary dims per axis, summing to HEAD_DIM
 
 
-def _sd3() -> Any:
+def _sd3(heads: int, head_dim: int) -> Any:
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
@@ -59,17 +58,17 @@ def _sd3() -> Any:
             in_channels=LATENT_CHANNELS,
             out_channels=LATENT_CHANNELS,
             num_layers=4,
-            attention_head_dim=HEAD_DIM,
-            num_attention_heads=HEADS,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
             joint_attention_dim=TEXT_WIDTH,
-            caption_projection_dim=HEADS * HEAD_DIM,
+            caption_projection_dim=heads * head_dim,
             pooled_projection_dim=64,
             pos_embed_max_size=LATENT_SIZE,
         ),
     )
 
 
-def _flux() -> Any:
+def _flux(heads: int, head_dim: int) -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
@@ -86,17 +85,17 @@ def _flux() -> Any:
             in_channels=4 * LATENT_CHANNELS,
             num_layers=2,
             num_single_layers=2,
-            attention_head_dim=HEAD_DIM,
-            num_attention_heads=HEADS,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
             joint_attention_dim=TEXT_WIDTH,
             pooled_projection_dim=32,
             guidance_embeds=False,
-            axes_dims_rope=ROPE_AXES,
+            axes_dims_rope=rope_axes(head_dim),
         ),
     )
 
 
-def _qwenimage() -> Any:
+def _qwenimage(heads: int, head_dim: int) -> Any:
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         QwenImagePipeline,
@@ -114,10 +113,10 @@ def _qwenimage() -> Any:
             in_channels=4 * LATENT_CHANNELS,
             out_channels=LATENT_CHANNELS,
             num_layers=3,
-            attention_head_dim=HEAD_DIM,
-            num_attention_heads=HEADS,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
             joint_attention_dim=TEXT_WIDTH,
-            axes_dims_rope=ROPE_AXES,
+            axes_dims_rope=rope_axes(head_dim),
         ),
     )
 
@@ -125,14 +124,26 @@ def _qwenimage() -> Any:
 _BUILDERS = {"sd3": _sd3, "flux": _flux, "qwenimage": _qwenimage}
 
 
-def build_toy_pipeline(family: str, seed: int = 0) -> Any:
-    """A randomly initialised toy pipeline of ``family``, deterministic from ``seed``."""
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Rotary dims per axis (text, height, width) summing to ``head_dim``: (8, 12, 12) at 32."""
+    frame = head_dim // 4
+    return frame, (head_dim - frame) // 2, head_dim - frame - (head_dim - frame) // 2
+
+
+def build_toy_pipeline(
+    family: str, seed: int = 0, heads: int = HEADS, head_dim: int = HEAD_DIM
+) -> Any:
+    """A randomly initialised toy pipeline of ``family``, deterministic from ``seed``.
+
+    ``heads`` x ``head_dim`` is the transformer's width (the toy world's 2 x 32; the speed
+    benchmark's wider Flux is 4 x 64).
+    """
     if family not in _BUILDERS:
         raise ValueError(f"unknown toy backbone family {family!r}; choose from {TOY_FAMILIES}")
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return _BUILDERS[family]()
+        return _BUILDERS[family](heads, head_dim)
     finally:
         torch.random.set_rng_state(state)
 

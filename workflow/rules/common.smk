@@ -151,7 +151,9 @@ def train_launcher(wildcards):
     """``torchrun`` over train.nproc processes, or the plain interpreter for one."""
     nproc = run_of(wildcards).config.train.nproc
     if nproc > 1:
-        return f"{params.python} -m torch.distributed.run --standalone --nproc_per_node {nproc}"
+        return (
+            f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {nproc}"
+        )
     return PYTHON
 
 
@@ -249,3 +251,13 @@ def report_inputs(wildcards):
     return [
         f"{RESULTS}/report/{name}/index.html" for name in WORKFLOW.report if _runs(name)
     ]
+
+
+def bench_device():
+    """The benchmark measures on the base config's backbone.device (cpu, or cuda on a GPU node)."""
+    return (config.get("backbone") or {}).get("device", "cpu")
+
+
+def bench_gpus():
+    """One GPU for a CUDA benchmark."""
+    return 1 if bench_device().startswith("cuda") else 0
