@@ -7,6 +7,8 @@ collection and tracking rules read without knowing any stage.
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import math
 import os
@@ -16,6 +18,25 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+class DiskFullError(OSError):
+    """A write ran out of space (or quota); what stood at the target before is intact."""
+
+
+def _out_of_space(err: BaseException) -> bool:
+    # Writers in other languages (safetensors) report it in their own words.
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(err) or "os error 28" in str(err)
+
+
+def _disk_full(target: Path, err: BaseException) -> DiskFullError:
+    return DiskFullError(
+        errno.ENOSPC,
+        f"{target}: no space left on the device while writing it ({err}); what was there "
+        "before is intact. Free some space and rerun.",
+    )
 
 
 def _current_umask() -> int:
@@ -32,10 +53,14 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
 
     For writers that want a file name (parquet, safetensors, torch.save); on any error the
-    temporary file is removed and ``path`` is left as it was.
+    temporary file is removed and ``path`` is left as it was (a full disk raises
+    :class:`DiskFullError` naming ``path``). Temporary files of a killed earlier write of
+    ``path`` are removed first.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        leftover.unlink(missing_ok=True)  # of a write killed before it could clean up
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     # mkstemp makes the file private (0600); results on a shared filesystem are for the group
@@ -46,8 +71,10 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if _out_of_space(err):
+            raise _disk_full(target, err) from err
         raise
 
 
@@ -104,8 +131,10 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield staging
         _fsync_tree(staging)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if _out_of_space(err) and not isinstance(err, DiskFullError):
+            raise _disk_full(target, err) from err
         raise
     if target.exists():
         os.replace(target, retired)

@@ -15,6 +15,7 @@ here; :mod:`jagg_pipeline.rewards.registry` checks at import that its rewards ar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -41,6 +42,11 @@ RewardDtype = Literal["float32", "bfloat16", "float16"]
 # --------------------------------------------------------------------------------------------
 
 
+# Pixels per latent token side in every family: 8x VAE downsampling, 2 x 2 patches (the toy
+# world: 2x codec, 2 x 2 patches, then 32-pixel images).
+PIXELS_PER_TOKEN = 16
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """Rank, scale and placement of the LoRA adapters."""
@@ -55,6 +61,7 @@ class LoraSettings:
         help="module-name suffixes that receive adapters, such as attn.to_q (null: the "
         "family's default list)",
     )
+    seed: int = field(0, help="seed of the adapters' initialisation (A random, B zero)", minimum=0)
 
     def __post_init__(self) -> None:
         check_bounds(self, "lora")
@@ -72,8 +79,8 @@ class BackboneSpec:
         "such directory exists, a hub id"
     )
     revision: str | None = field(None, help="hub revision (branch, tag or commit) of a hub id")
-    height: int = field(1024, help="image height in pixels", minimum=1)
-    width: int = field(1024, help="image width in pixels", minimum=1)
+    height: int = field(1024, help="image height in pixels (a multiple of 16)", minimum=1)
+    width: int = field(1024, help="image width in pixels (a multiple of 16)", minimum=1)
     dtype: BackboneDtype = field("bfloat16", help="precision the pipeline is loaded in")
     device: str = field("cpu", help="torch device the pipeline is loaded onto")
     cfg_scale: float = field(
@@ -121,6 +128,12 @@ class BackboneSpec:
                 f"got {self.training!r}"
             )
         check_bounds(self, self.key)
+        for side in ("height", "width"):
+            if getattr(self, side) % PIXELS_PER_TOKEN:
+                raise ValueError(
+                    f"{self.key}.{side}: {getattr(self, side)} is not a multiple of "
+                    f"{PIXELS_PER_TOKEN} (VAE downsampling x 2 x 2 patches: one latent token)"
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,8 +269,8 @@ class RewardsSpec:
                     f"rewards.weights.{name}: unknown reward; known rewards: "
                     f"{', '.join(sorted(REWARD_NAMES))}"
                 )
-            if weight != weight:  # NaN: a typo in a sweep would silently disable the reward
-                raise ValueError(f"rewards.weights.{name}: is NaN")
+            if not math.isfinite(weight):  # NaN or inf advantages, silently
+                raise ValueError(f"rewards.weights.{name}: must be a finite number, got {weight}")
 
     def spec(self, name: str) -> Any:
         """The settings of reward ``name``."""
@@ -327,6 +340,11 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         if len(self.window_start) != 2 or not 0 <= self.window_start[0] <= self.window_start[1]:
             raise ValueError(f"sampler.window_start must be [lo, hi], got {self.window_start}")
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"sampler.batch_size: {self.batch_size} is not a multiple of sampler.group_size "
+                f"{self.group_size} (a rollout micro-batch holds whole prompt groups)"
+            )
         if self.trajectory == "window" and self.window_start[1] + self.window_size > self.num_steps:
             raise ValueError(
                 f"sampler.window_start {self.window_start} + window_size {self.window_size} "
@@ -341,7 +359,11 @@ class AdvantageConfig:
     std_mode: Literal["group", "global"] = field(
         "group", help="normalise advantages by each group's std or the batch's"
     )
-    eps: float = field(1e-4, help="added to the std before dividing", minimum=0)
+    eps: float = field(
+        1e-4,
+        help="added to the std before dividing (> 0: a group of equal rewards has std 0)",
+        exclusive_minimum=0,
+    )
     clip: float = field(5.0, help="advantages are clipped to +-clip", exclusive_minimum=0)
 
 
@@ -441,7 +463,16 @@ class TrainConfig:
         "no", help="FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce"
     )
     nproc: int = field(1, help="processes (GPUs) per training job, under torchrun", minimum=1)
-    seed: int = field(0, help="seed of prompts, noise and everything else random")
+    allow_skipped_round: bool = field(
+        False,
+        help="write the checkpoint even when every optimizer step of a round was skipped "
+        "(non-finite loss or gradient); false: the round fails",
+    )
+    seed: int = field(0, help="seed of prompts, noise and everything else random", minimum=0)
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"train.betas: expected two numbers in [0, 1), got {self.betas}")
 
 
 @dataclass
@@ -455,12 +486,22 @@ class EvalConfig:
     column: str | None = field(None, help="column of a tabular prompt file")
     max_prompts: int = field(39, help="evaluate at most this many prompts", minimum=1)
     samples_per_prompt: int = field(2, help="images per prompt", minimum=1)
-    seed: int = field(1234, help="seed of the evaluation noise (fixed across checkpoints)")
+    seed: int = field(
+        1234, help="seed of the evaluation noise (fixed across checkpoints)", minimum=0
+    )
     metrics: list[str] = field(
         default_factory=lambda: ["toy_attributes", "toy_clipscore"],
         help="reward names reported as metrics (their settings come from the rewards section)",
     )
     every: int = field(10, help="evaluate every K rounds (and the last)", minimum=1)
+
+    def __post_init__(self) -> None:
+        for name in self.metrics:
+            if name not in REWARD_NAMES:
+                raise ValueError(
+                    f"eval.metrics: {name!r} is an unknown reward; known rewards: "
+                    f"{', '.join(REWARD_NAMES)}"
+                )
 
 
 @dataclass
@@ -470,6 +511,10 @@ class TrackingConfig:
     backend: Literal["mlflow", "none"] = field("mlflow", help="mlflow or none")
     uri: str = field("sqlite:///results/mlflow.db", help="MLflow tracking URI")
     experiment: str = field("jagg-toy", help="MLflow experiment name")
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            raise ValueError("tracking.experiment: must not be empty")
 
 
 @dataclass
@@ -505,6 +550,34 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if not self.rewards.weights:
             raise ValueError("rewards.weights: name at least one reward to train on")
+        trained = self.trained_steps_at_most()
+        if self.jagg.mode != "exact" and self.jagg.window > trained:
+            raise ValueError(
+                f"jagg.window: {self.jagg.window} is more than the {trained} trained steps of a "
+                "rollout (sampler.window_size, or trained_fraction of num_steps - 1 for 'full')"
+            )
+        sampler, train = self.sampler, self.train
+        groups_per_batch = sampler.batch_size // sampler.group_size
+        micro_batches = -(-sampler.prompts_per_round // groups_per_batch)
+        if micro_batches % train.minibatches:
+            raise ValueError(
+                f"train.minibatches: {train.minibatches} does not divide the rollout's "
+                f"{micro_batches} micro-batch(es) (sampler.prompts_per_round "
+                f"{sampler.prompts_per_round} groups, {groups_per_batch} per sampler.batch_size)"
+            )
+        if (micro_batches // train.minibatches) % train.nproc:
+            raise ValueError(
+                f"train.nproc: {train.nproc} processes cannot share the "
+                f"{micro_batches // train.minibatches} micro-batch(es) of an optimizer step "
+                "evenly; change train.minibatches, sampler.prompts_per_round or batch_size"
+            )
+
+    def trained_steps_at_most(self) -> int:
+        """The most trained steps a rollout of the sampler section can have."""
+        sampler = self.sampler
+        if sampler.trajectory == "window":
+            return sampler.window_size
+        return max(1, round(sampler.trained_fraction * (sampler.num_steps - 1)))
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -219,7 +219,8 @@ def from_dict(
         return cls(**kwargs, **internal)
     except (ValueError, TypeError) as exc:  # __post_init__ checks across fields
         message = str(exc)
-        if not (prefix and message.startswith(prefix)):
+        names_its_key = re.match(r"^[a-z_]+(\.[a-z_0-9]+)*:", message)
+        if not (message.startswith(prefix) if prefix else names_its_key):
             message = f"{prefix or cls.__name__}: {message}"
         raise ConfigError(_where(message, source)) from None
 
@@ -235,18 +236,53 @@ def to_dict(config: Any) -> Any:
     return config
 
 
-def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
-    """Read ``path`` strictly into ``cls``, after applying ``key.sub=value`` overrides."""
+class _StrictLoader(yaml.SafeLoader):
+    """YAML without silent surprises: a key given twice in one mapping is an error."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first on line {seen[key]}): the last one would "
+                    "silently win",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file strictly (duplicate keys refused, naming the key and both lines)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with open(path) as stream:  # a stream, so that marks name the file
+            return yaml.load(stream, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
+    """Read ``path`` strictly into ``cls``, after applying ``key.sub=value`` overrides.
+
+    An error that only an override brings in names the override (``--set key=value``), not
+    the file.
+    """
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    return from_dict(cls, apply_overrides(data, overrides), source=str(path))
+    config = from_dict(cls, data, source=str(path))
+    for count, item in enumerate(overrides, start=1):
+        try:
+            config = from_dict(cls, apply_overrides(data, overrides[:count]))
+        except ConfigError as exc:
+            raise ConfigError(f"--set {item}: {exc}") from None
+    return config
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

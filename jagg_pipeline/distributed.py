@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.errors import InputError
 
 _FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Frozen parameters (a LoRA base model, dead modules) never change: no need to gather them.
@@ -72,6 +73,13 @@ def local_device(device: str) -> torch.device:
     if torch_device.type == "cuda":
         if torch_device.index is None:
             torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if torch_device.index >= visible:
+            raise InputError(
+                f"backbone.device: {device} needs CUDA device {torch_device.index}, but "
+                f"{visible} are visible (CUDA_VISIBLE_DEVICES, train.nproc / "
+                "--nproc_per_node); use backbone.device: cpu or fewer processes"
+            )
         torch.cuda.set_device(torch_device)
     return torch_device
 
@@ -95,12 +103,12 @@ def distributed(device: str = "cpu") -> Iterator[DistContext]:
     created = not dist.is_initialized()
     torchrun = launched_by_torchrun()
     local_rank = int(os.environ["LOCAL_RANK"]) if torchrun else 0
+    torch_device = local_device(device)  # a missing GPU is refused before NCCL starts
     if created and torchrun:
         dist.init_process_group(backend)
     elif created:
         # A world of one: the same FSDP2 code path as under torchrun, no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    torch_device = local_device(device)
     try:
         mesh = init_device_mesh(torch_device.type, (dist.get_world_size(),))
         yield DistContext(

@@ -56,12 +56,52 @@ def digest_path(path: str | Path) -> str:
         return h.hexdigest()
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: nothing to digest")
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in _data_files(path):
         relative = file.relative_to(path).as_posix()
-        if relative in (MANIFEST_NAME, METRICS_NAME) or file.name.startswith("."):
-            continue
         h.update(relative.encode() + b"\0" + digest_path(file).encode() + b"\n")
     return h.hexdigest()
+
+
+def _data_files(path: Path) -> list[Path]:
+    """The files whose bytes are the output: all but its manifest, metrics and hidden files."""
+    if path.is_file():
+        return [path]
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.relative_to(path).as_posix() not in (MANIFEST_NAME, METRICS_NAME)
+        and not p.name.startswith(".")
+    )
+
+
+def file_digests(output: str | Path) -> dict[str, str]:
+    """sha256 of every data file of ``output`` by name (relative to a directory output)."""
+    output = Path(output)
+    root = output.parent if output.is_file() else output
+    return {f.relative_to(root).as_posix(): digest_path(f) for f in _data_files(output)}
+
+
+def verify_files(output: str | Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse ``output`` if a data file its manifest lists is missing or has other bytes.
+
+    The error names the file: a truncated shard, a flipped byte, an edited table, a cut
+    weight file. Manifests written before files were recorded are not checked.
+    """
+    output = Path(output)
+    root = output.parent if output.is_file() else output
+    for name, recorded in (manifest.get("files") or {}).items():
+        file = root / name
+        if not file.is_file():
+            raise ManifestError(
+                f"{file}: missing, though {manifest_path(output)} lists it; rerun the stage "
+                "that wrote it"
+            )
+        if digest_path(file) != recorded:
+            raise ManifestError(
+                f"{file}: corrupt or changed since it was written (its sha256 differs from "
+                f"{manifest_path(output)}); rerun the stage that wrote it"
+            )
 
 
 def section_digests(config: Any) -> dict[str, str]:
@@ -89,6 +129,7 @@ def write_manifest(
             name: {"path": str(path), "digest": digest_path(path)}
             for name, path in (inputs or {}).items()
         },
+        "files": file_digests(output),
         **dict(extra or {}),
     }
     return atomic_write_json(manifest_path(output), manifest)
@@ -117,6 +158,7 @@ def check_input(
 ) -> dict[str, Any]:
     """Refuse ``path`` unless a ``stage`` output made under the same ``sections`` of ``config``.
 
+    Every data file is verified against the digest its manifest records (:func:`verify_files`).
     Returns the input's manifest.
     """
     manifest = read_manifest(path)
@@ -125,6 +167,7 @@ def check_input(
         raise ManifestError(
             f"{path}: is a {manifest.get('stage')!r} output, expected {' or '.join(sorted(stages))}"
         )
+    verify_files(path, manifest)
     ours = section_digests(config)
     theirs = manifest.get("sections", {})
     differing = [s for s in sections if theirs.get(s) != ours[s]]

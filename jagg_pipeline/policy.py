@@ -153,7 +153,7 @@ def write_policy_files(
     weights = policy_state_dict(backbone, state_dict)
     if backbone.training_mode == "lora":
         # The adapter config is the LoRA format's, as Backbone.save_lora writes it.
-        backbone.transformer.peft_config[lora_files.ADAPTER_NAME].save_pretrained(str(folder))
+        lora_files.save_adapter_config(backbone.transformer, folder)
         save_file(weights, str(folder / lora_files.WEIGHTS_FILE))
     else:
         save_file(weights, str(folder / FULL_WEIGHTS))

@@ -699,6 +699,13 @@ def train_round(
         metrics = _run_steps(
             trainer, data, plan, windows, routing, round_index, (probes, probe_seconds), progress
         )
+        if all(row["skipped"] for row in metrics) and not config.train.allow_skipped_round:
+            raise ckpt.NonFiniteError(
+                f"round {round_index}: all {len(metrics)} optimizer step(s) were skipped (the "
+                "loss or the gradient was not finite: check the rewards and advantages of "
+                f"{rewards}); no checkpoint written. train.allow_skipped_round: true writes the "
+                "unchanged policy instead"
+            )
         contents = trainer.contents(round_index, routing, metrics)
         _save(trainer, contents, out, policy, inputs)
     return RoundResult(out, round_index, metrics, routing)

@@ -59,6 +59,7 @@ def experiment(family: str, checkpoint: Path, eval_prompts: Path, **sections: An
             "window_size": 2,
             "window_start": [0, 1],
         },
+        "jagg": {"window": 2},  # the SDE window's 2 trained steps
         "rewards": {"weights": {"jpeg_compressibility": 1.0}},
         "eval": {
             "prompts": str(eval_prompts),

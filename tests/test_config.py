@@ -103,7 +103,7 @@ def test_bounds_are_in_the_schema_and_the_schema_enforces_them():
     [
         ("jagg: {jagg_frac: 1.5}", r"jagg\.jagg_frac: 1\.5 is above the maximum 1$"),
         ("jagg: {window: 1}", r"jagg\.window: 1 is below the minimum 2$"),
-        ("advantage: {eps: -1}", r"advantage\.eps: -1\.0 is below the minimum 0$"),
+        ("advantage: {eps: -1}", r"advantage\.eps: -1\.0 must be above 0$"),
         ("train: {lr: 0}", r"train\.lr: 0\.0 must be above 0$"),
         ("sampler: {noise_level: .inf}", r"sampler\.noise_level: must be a finite number"),
         ("jagg: {jagg_frac: .nan}", r"jagg\.jagg_frac: must be a finite number"),
@@ -150,7 +150,9 @@ def test_code_built_sections_check_their_bounds_too():
         LoraSettings(rank=0)
     with pytest.raises(ValueError, match=r"rewards\.weights\.nope: unknown reward"):
         RewardsSpec(weights={"nope": 1.0})
-    with pytest.raises(ValueError, match=r"rewards\.weights\.hpsv21: is NaN"):
+    with pytest.raises(
+        ValueError, match=r"rewards\.weights\.hpsv21: must be a finite number, got nan"
+    ):
         RewardsSpec(weights={"hpsv21": float("nan")})
     with pytest.raises(ConfigError, match=r"rewards\.nope: unknown reward"):
         RewardsSpec().spec("nope")

@@ -16,7 +16,13 @@ from jagg_pipeline import policy as policies
 from jagg_pipeline.cli import main
 from jagg_pipeline.configtools import digest, from_dict
 from jagg_pipeline.grpo import group_advantages
-from jagg_pipeline.manifest import check_derived_from, check_input, read_manifest, write_manifest
+from jagg_pipeline.manifest import (
+    ManifestError,
+    check_derived_from,
+    check_input,
+    read_manifest,
+    write_manifest,
+)
 from jagg_pipeline.objective import recompute_log_probs
 from jagg_pipeline.prompts import draw_prompts, resolve_prompts
 from jagg_pipeline.rewards import to_unit_float
@@ -396,8 +402,14 @@ def test_stages_refuse_inputs_that_do_not_match_naming_the_file(tmp_path, checkp
         )
     with pytest.raises(SystemExit, match="neither 'base' nor a checkpoint directory"):
         rollout_cli(config_file, tmp_path / "r2", tmp_path / "missing")
-    (checkpoint / "policy" / "transformer.safetensors").unlink()
-    with pytest.raises(policies.PolicyError, match=r"policy: holds neither adapter_config\.json"):
+    weights = checkpoint / "policy" / "transformer.safetensors"
+    weights.unlink()
+    with pytest.raises(ManifestError, match=rf"^{weights}: missing, though .*manifest\.json"):
         policies.load_policy(cfg_config, checkpoint)
-    with pytest.raises(SystemExit, match=r"other\.yaml: sampler\.num_stepz: unknown key"):
+    backbone = policies.load_policy(cfg_config, "base")
+    with pytest.raises(policies.PolicyError, match=r"policy: holds neither adapter_config\.json"):
+        policies.apply_policy(backbone, checkpoint / "policy")
+    with pytest.raises(
+        SystemExit, match=r"--set sampler\.num_stepz=3: sampler\.num_stepz: unknown key"
+    ):
         rollout_cli(other_file, tmp_path / "r3", "base", "--set", "sampler.num_stepz=3")

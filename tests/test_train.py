@@ -15,6 +15,7 @@ import pytest
 import torch
 import train_helpers
 from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
+    assert_same_checkpoint,
     base_rollout_fixture,
     launcher,
     make_config,
@@ -341,12 +342,27 @@ def test_inputs_that_do_not_fit_are_refused_naming_the_file(tiny_sd3, base_rollo
 # --------------------------------------------------------------------------------------------
 
 
-def test_nonfinite_loss_skips_the_step(tiny_sd3, base_rollout, tmp_path):
+def test_nonfinite_loss_skips_the_step_and_a_round_of_skipped_steps_fails(
+    tiny_sd3, base_rollout, tmp_path
+):
     rollouts, table = base_rollout
     rows = read_table(table_path(table))
     rows[3]["advantage"] = float("nan")
     poisoned = train_helpers.forged_scores(table, tmp_path / "nan", rows)
+    # Two optimizer steps: the one holding sample 3 is skipped and counted, the other applied.
+    config = make_config(tiny_sd3, train={"minibatches": 2})
+    result = _train(config, (rollouts, poisoned), tmp_path / "two")
+    assert [row["skipped"] for row in result.metrics].count(True) == 1
+    assert read_trainer_state(result.checkpoint).skipped_steps == 1
+    trained = policy_weights(result.checkpoint)
+    assert all(torch.isfinite(w).all() for w in trained.values())
+    # One step, skipped: the whole round did nothing, which fails loudly...
     config = make_config(tiny_sd3, train={"ema_decay": 0.5})
+    with pytest.raises(NonFiniteError, match=r"round 0: all 1 optimizer step\(s\) were skipped"):
+        _train(config, (rollouts, poisoned), tmp_path / "failed")
+    assert not (tmp_path / "failed").exists()
+    # ... unless tolerated: the unchanged policy is written.
+    config = make_config(tiny_sd3, train={"ema_decay": 0.5, "allow_skipped_round": True})
     result = _train(config, (rollouts, poisoned), tmp_path / "ckpt")
     (row,) = result.metrics
     assert row["skipped"] and row["skipped_steps"] == 1
@@ -370,6 +386,22 @@ def test_nonfinite_weights_write_no_checkpoint(tiny_sd3, base_rollout, tmp_path)
 # --------------------------------------------------------------------------------------------
 # LoRA, EMA, KL, mixed precision; the checkpoint format
 # --------------------------------------------------------------------------------------------
+
+
+def test_lora_training_is_reproducible_and_follows_the_seed(tiny_sd3, tmp_path):
+    """Equal configs train byte-identical adapters, whatever ran before in the process (the
+    adapters' random A matrices come from backbone.lora.seed); another seed, other adapters."""
+    lora = {"training": "lora", "lora": {"rank": 2}}
+    config = make_config(tiny_sd3, backbone=lora)
+    rollout = scored_rollout(config, tmp_path / "r0")
+    _train(config, rollout, tmp_path / "a")
+    torch.rand(1000)  # move the global generator between the two runs
+    _train(config, rollout, tmp_path / "b")
+    assert_same_checkpoint(tmp_path / "b", tmp_path / "a")
+    other = make_config(tiny_sd3, backbone={**lora, "lora": {"rank": 2, "seed": 1}})
+    _train(other, scored_rollout(other, tmp_path / "r1"), tmp_path / "c")
+    a, c = policy_weights(tmp_path / "a"), policy_weights(tmp_path / "c")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
 def test_lora_ema_kl_bf16_checkpointing_checkpoint_is_the_next_policy(tiny_sd3, tmp_path):

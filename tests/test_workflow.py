@@ -96,7 +96,9 @@ def test_stage_digests_cover_exactly_what_each_stage_reads():
 
 def test_train_rule_launches_torchrun_for_several_processes(tmp_path):
     data = json.loads(json.dumps(REDUCED))
-    data["workflow"]["experiments"]["all"]["variants"]["jagg"]["train"] = {"nproc": 2}
+    variant = data["workflow"]["experiments"]["all"]["variants"]["jagg"]
+    # Two ranks need two rollout micro-batches (a config check): batches of one group.
+    variant |= {"train": {"nproc": 2}, "sampler": {"batch_size": 4}}
     write_config(tmp_path, data)
     plan = snakemake(tmp_path, "all", "--dry-run", "--printshellcmds", timeout=120).stdout
     trains = [line for line in plan.splitlines() if " -m jagg_pipeline train" in line]
@@ -132,6 +134,16 @@ def test_bad_configs_stop_before_any_job_naming_the_key(tmp_path, key):
     leaf = key.rsplit(".", 1)[-1]
     assert leaf in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "results").exists()  # nothing ran, nothing was written
+
+
+def test_a_key_given_twice_in_config_yaml_stops_the_workflow(tmp_path):
+    """Snakemake's own YAML reader keeps the last of two equal keys; the workflow refuses."""
+    config = write_config(tmp_path, REDUCED)
+    config.write_text(config.read_text() + "sampler: {group_size: 2}\n")
+    result = snakemake(tmp_path, "--cores", "1", "all", "--dry-run", timeout=120)
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "duplicate key 'sampler'" in said and "config.yaml" in said, said[-2000:]
 
 
 def _mtimes(folder: Path) -> dict[str, float]:

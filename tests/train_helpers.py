@@ -92,15 +92,25 @@ def scored_rollout(
     return rollouts, scores
 
 
-def forged_scores(scores: Path, target: Path, rows: list[dict]) -> Path:
-    """A copy of the score folder ``scores`` whose table holds ``rows`` (manifest unchanged)."""
+def forged_scores(scores: Path, target: Path, rows: list[dict], *, reseal: bool = True) -> Path:
+    """A copy of the score folder ``scores`` whose table holds ``rows``.
+
+    ``reseal``: record the forged table's digest in the manifest too, as if the score stage
+    had written it (what the tests of training on unusual tables need); False leaves the
+    manifest as it was, which the integrity check refuses.
+    """
     import shutil
 
+    from jagg_pipeline.manifest import file_digests, manifest_path
     from jagg_pipeline.scoring import table_path
     from jagg_pipeline.tables import write_table
 
     shutil.copytree(scores, target)
     write_table(table_path(target), rows)
+    if reseal:
+        manifest = json.loads(manifest_path(target).read_text())
+        manifest["files"] = file_digests(target)
+        manifest_path(target).write_text(json.dumps(manifest))
     return target
 
 

@@ -9,6 +9,7 @@ same checkpoint.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -59,7 +60,12 @@ def add_lora(module: nn.Module, settings: LoraSettings, targets: Sequence[str]) 
         init_lora_weights=True,
     )
     module.requires_grad_(False)
-    inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    # The A matrices are drawn at random: from the config's seed, not the global generator's
+    # state (which depends on whatever ran before), so equal configs train equal adapters.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(settings.seed)
+        inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
     for name, param in module.named_parameters():
         param.requires_grad_("lora_" in name)
 
@@ -76,6 +82,21 @@ def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(module, adapter_name=ADAPTER_NAME)
 
 
+def save_adapter_config(module: nn.Module, directory: str | Path) -> Path:
+    """Write ``adapter_config.json`` reproducibly (the same bytes in every process).
+
+    peft keeps target_modules as a set, whose order changes with each interpreter's hash
+    seed, so the file is rewritten with the list sorted.
+    """
+    module.peft_config[ADAPTER_NAME].save_pretrained(str(directory))
+    path = Path(directory) / CONFIG_FILE
+    data = json.loads(path.read_text())
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted(data["target_modules"])
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
 def save_lora(module: nn.Module, directory: str | Path) -> Path:
     """Write the adapter config and weights (not the base model) into ``directory``."""
     from safetensors.torch import save_file
@@ -84,7 +105,7 @@ def save_lora(module: nn.Module, directory: str | Path) -> Path:
         raise ValueError("this backbone has no LoRA adapters to save (training mode is not 'lora')")
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    module.peft_config[ADAPTER_NAME].save_pretrained(str(target))
+    save_adapter_config(module, target)
     weights = {k: v.detach().contiguous().cpu() for k, v in lora_state_dict(module).items()}
     save_file(weights, str(target / WEIGHTS_FILE))
     return target

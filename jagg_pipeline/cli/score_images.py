@@ -265,8 +265,12 @@ def _score_columns(reward: Any, samples: list[Sample], batch_size: int) -> dict[
 
     by_size: dict[tuple[int, int], list[int]] = {}
     for index, sample in enumerate(samples):
-        with Image.open(sample.path) as image:
-            by_size.setdefault(image.size, []).append(index)
+        try:
+            with Image.open(sample.path) as image:
+                image.verify()  # a truncated or non-image file fails here, before any scoring
+                by_size.setdefault(image.size, []).append(index)
+        except (OSError, SyntaxError) as err:  # PIL raises both for unreadable images
+            raise SystemExit(f"error: {sample.path}: not a readable image ({err})") from None
     columns = {name: torch.empty(len(samples)) for name in reward.rewards}
     for indices in by_size.values():
         for start in range(0, len(indices), batch_size):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.configtools import digest, to_dict
+from jagg_pipeline.configtools import digest, read_yaml, to_dict
 from jagg_pipeline.experiments import (
     evaluated_rounds,
     resolve_runs,
@@ -16,6 +16,9 @@ from jagg_pipeline.experiments import (
     stage_digest,
 )
 
+# Snakemake's YAML reader lets a repeated key silently win; the strict one names it.
+for _configfile in workflow.configfiles:
+    read_yaml(_configfile)
 RUNS = resolve_runs(config)
 WORKFLOW = split(config)[1]
 RESULTS = WORKFLOW.results
