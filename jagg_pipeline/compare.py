@@ -5,7 +5,8 @@ rebuilds them) or, with tracking off, from their folders; either way they are co
 :mod:`jagg_pipeline.summary`'s functions. Plots: held-out metrics and rollout reward vs round
 with seed bands (``curves.png``); update-stage seconds per round and the speed-up over the
 ``exact`` variant (``speed.png``); per-window cos-sim with the exact gradient vs round, when
-``jagg_frac: auto`` or ``jagg.probe_every`` probed it (``cos_sim.png``). Torch-free.
+``jagg_frac: auto`` or ``jagg.probe_every`` probed it, else a note saying how
+(``cos_sim.png``). Torch-free.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from jagg_pipeline.artifacts import atomic_output, atomic_write_text
 from jagg_pipeline.summary import UPDATE_PARTS, RunMetrics, plot, summarise, table
 
 PROBE = re.compile(r"^probe\.(\d+)\.(jagg|no_interp)\.cos_sim$")
-WINDOW_MODE = re.compile(r"^windows\.\d+\.mode$")
 REFERENCE = "exact"
+NO_PROBES = (
+    "No per-window cos-sim in these runs: set jagg.probe_every: K (or jagg_frac: auto) to "
+    "probe every window against the exact gradient."
+)
 
 
 def _pyplot():
@@ -86,28 +90,23 @@ def plot_speed(seconds: Mapping[str, Mapping[int, float]], path: Path, title: st
 
 
 def approximation(run: RunMetrics) -> str:
-    """The approximate gradient a run trains with: ``no_interp`` or ``jagg``.
+    """The approximation whose probes a run is shown for: its own ``jagg.mode``.
 
-    Exact runs, and runs that route every window to exact, are shown for ``jagg``.
+    ``no_interp`` or ``jagg``; exact runs are shown for ``jagg``.
     """
-    modes = {
-        value
-        for line in run.stage("train")
-        for key, value in line.items()
-        if WINDOW_MODE.match(key)
-    }
-    return "no_interp" if "no_interp" in modes else "jagg"
+    return "no_interp" if run.mode == "no_interp" else "jagg"
 
 
 def cos_sims(runs: Sequence[RunMetrics]) -> dict[str, dict[tuple[int, int], float]]:
     """Per variant: probed cos-sim of its approximation with the exact gradient.
 
-    Keys ``"<variant> (<approximation>)"``, values by (window, round), mean over seeds.
+    Keys ``"<variant>: cos-sim of <approximation>"``, values by (window, round), mean over
+    seeds.
     """
     found: dict[str, dict[tuple[int, int], list[float]]] = {}
     for run in runs:
         mode = approximation(run)
-        label = f"{run.variant} ({mode})"
+        label = f"{run.variant}: cos-sim of {mode}"
         for line in run.stage("train"):
             for key, value in line.items():
                 match = PROBE.match(key)
@@ -120,8 +119,16 @@ def cos_sims(runs: Sequence[RunMetrics]) -> dict[str, dict[tuple[int, int], floa
 def plot_cos_sims(
     cells: Mapping[str, Mapping[tuple[int, int], float]], path: Path, title: str = ""
 ) -> Path:
-    """One heatmap per variant: window (rows) x round (columns), colour = cos-sim."""
+    """One heatmap per variant: window (rows) x round (columns), colour = cos-sim.
+
+    Without probes the figure says how to get them (the report always has this plot).
+    """
     plt = _pyplot()
+    if not cells:
+        figure, axis = plt.subplots(figsize=(8, 1.6), dpi=100)
+        axis.text(0.5, 0.5, NO_PROBES, ha="center", va="center", wrap=True)
+        axis.set_axis_off()
+        return _save(figure, path)
     figure, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.6), dpi=100)
     axes = axes if len(cells) > 1 else [axes]
     for axis, (variant, values) in zip(axes, cells.items(), strict=True):
@@ -131,9 +138,7 @@ def plot_cos_sims(
         image = axis.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         axis.set_xticks(range(len(rounds)), rounds)
         axis.set_yticks(range(len(windows)), windows)
-        axis.set(
-            title=f"{variant}: cos-sim with exact", xlabel="round", ylabel="window (0: high noise)"
-        )
+        axis.set(title=f"{variant} with exact", xlabel="round", ylabel="window (0: high noise)")
         for (row, column), value in np.ndenumerate(np.asarray(grid)):
             colour = "black" if value > 0.5 else "white"  # readable on viridis
             axis.text(column, row, f"{value:.2f}", ha="center", va="center", color=colour)
@@ -182,10 +187,9 @@ def write_comparison(
     plot(summary, out / "curves.png", title)
     plot_speed(update_seconds(runs), out / "speed.png", title)
     images["speed.png"] = "update-stage seconds per round and speed-up vs exact"
-    if cells := cos_sims(runs):
-        plot_cos_sims(cells, out / "cos_sim.png", title)
-        images["cos_sim.png"] = (
-            "per-window cos-sim of each variant's approximation with the exact gradient vs round"
-        )
+    plot_cos_sims(cos_sims(runs), out / "cos_sim.png", title)
+    images["cos_sim.png"] = (
+        "per-window cos-sim of each variant's approximation with the exact gradient vs round"
+    )
     atomic_write_text(out / "index.html", _html(title, source, markdown, images))
     return summary

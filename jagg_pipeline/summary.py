@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from jagg_pipeline.artifacts import METRICS_NAME, atomic_output, atomic_write_text
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
@@ -35,6 +37,8 @@ class RunMetrics:
     lines: list[dict[str, Any]] = field(default_factory=list)
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)
     grids: dict[int, Path] = field(default_factory=dict)
+    # The run's jagg.mode ("" when unknown): which approximation its probes are read for.
+    mode: str = ""
 
     def stage(self, name: str) -> list[dict[str, Any]]:
         """The metric lines of stage ``name`` in round order."""
@@ -49,6 +53,9 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     """The metrics of the run in ``directory`` (every round and evaluation found there)."""
     directory = Path(directory)
     run = RunMetrics(variant, seed)
+    if (directory / "config.yaml").is_file():
+        config = yaml.safe_load((directory / "config.yaml").read_text()) or {}
+        run.mode = str((config.get("jagg") or {}).get("mode", ""))
     for round_dir in sorted(directory.glob("round-*")):
         for stage in ("rollout", "scores", "checkpoint"):
             path = round_dir / stage / METRICS_NAME

@@ -251,3 +251,18 @@ def test_tracking_off_runs_without_mlflow(reduced_all):
         text=True,
     )
     assert poisoned.returncode != 0 and "poisoned" in poisoned.stderr
+
+
+def test_heatmaps_show_each_run_for_its_own_approximation(reduced_all):
+    """From the files (config.yaml) and from MLflow (the jagg_mode tag) alike."""
+    from jagg_pipeline.compare import cos_sims
+    from jagg_pipeline.tracking import TrackedRun, run_metrics
+
+    runs = [read_run(reduced_all / f"results/all/{v}/seed-0", v, 0) for v in VARIANTS]
+    assert [run.mode for run in runs] == ["exact", "jagg"]
+    cells = cos_sims(runs)
+    assert set(cells) == {"exact: cos-sim of jagg", "jagg: cos-sim of jagg"}
+    assert {w for w, _ in cells["jagg: cos-sim of jagg"]} == {0, 1}
+    points = [("train/probe.0.no_interp.cos_sim", 0.5, 0), ("train/probe.0.jagg.cos_sim", 0.9, 0)]
+    tracked = TrackedRun("drop", 0, {"jagg_mode": "no_interp"}, points)
+    assert cos_sims([run_metrics(tracked)]) == {"drop: cos-sim of no_interp": {(0, 0): 0.5}}

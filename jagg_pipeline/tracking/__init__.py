@@ -196,6 +196,7 @@ def run_record(
         "jagg_variant": variant,
         "jagg_seed": str(seed),
         "jagg_overrides": json.dumps(overrides, sort_keys=True),
+        "jagg_mode": str((config.get("jagg") or {}).get("mode", "")),
         "jagg_version": __version__,
         "snakemake_target": snakemake_target or target,
     }
@@ -219,7 +220,9 @@ def run_record(
 
 def run_metrics(run: TrackedRun) -> RunMetrics:
     """A tracked run as :mod:`jagg_pipeline.summary` reads runs from their folders."""
-    metrics = RunMetrics(run.variant, run.seed, lines_from_points(run.metrics))
+    metrics = RunMetrics(
+        run.variant, run.seed, lines_from_points(run.metrics), mode=run.tags.get("jagg_mode", "")
+    )
     for line in metrics.stage("evaluate"):
         metrics.evaluations[line["round"]] = {
             key: value

@@ -48,6 +48,12 @@ rule compare:
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
         ),
+        cos_sim=report(
+            f"{RESULTS}/report/{{experiment}}/cos_sim.png",
+            caption="../report/cos_sim.rst",
+            category="comparison (read back from MLflow)",
+            subcategory="{experiment}",
+        ),
     log:
         f"{LOGS}/{{experiment}}/compare.log",
     conda:
