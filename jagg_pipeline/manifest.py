@@ -14,6 +14,7 @@ from other rollouts, and the error names the file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,6 +42,26 @@ def manifest_path(output: str | Path) -> Path:
     return output.with_name(output.name + ".manifest.json")
 
 
+@functools.lru_cache(maxsize=4096)
+def _file_sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file, hashed once per process while it is unchanged.
+
+    A stage checks an input (every file), checks what the input was derived from and records
+    the input's digest in its own manifest: without the cache the same shards would be read
+    three times. A rewrite changes the inode (atomic writes) or the size and mtime.
+    """
+    stat = path.stat()
+    return _file_sha256(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
 def digest_path(path: str | Path) -> str:
     """sha256 of a file, or of a directory's files (relative names and contents, sorted).
 
@@ -48,17 +69,13 @@ def digest_path(path: str | Path) -> str:
     them does not change the digest.
     """
     path = Path(path)
-    h = hashlib.sha256()
     if path.is_file():
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
+        return _file_digest(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: nothing to digest")
-    for file in _data_files(path):
-        relative = file.relative_to(path).as_posix()
-        h.update(relative.encode() + b"\0" + digest_path(file).encode() + b"\n")
+    h = hashlib.sha256()
+    for relative, file_digest in file_digests(path).items():
+        h.update(relative.encode() + b"\0" + file_digest.encode() + b"\n")
     return h.hexdigest()
 
 
@@ -79,7 +96,7 @@ def file_digests(output: str | Path) -> dict[str, str]:
     """sha256 of every data file of ``output`` by name (relative to a directory output)."""
     output = Path(output)
     root = output.parent if output.is_file() else output
-    return {f.relative_to(root).as_posix(): digest_path(f) for f in _data_files(output)}
+    return {f.relative_to(root).as_posix(): _file_digest(f) for f in _data_files(output)}
 
 
 def verify_files(output: str | Path, manifest: Mapping[str, Any]) -> None:
@@ -97,7 +114,7 @@ def verify_files(output: str | Path, manifest: Mapping[str, Any]) -> None:
                 f"{file}: missing, though {manifest_path(output)} lists it; rerun the stage "
                 "that wrote it"
             )
-        if digest_path(file) != recorded:
+        if _file_digest(file) != recorded:
             raise ManifestError(
                 f"{file}: corrupt or changed since it was written (its sha256 differs from "
                 f"{manifest_path(output)}); rerun the stage that wrote it"
