@@ -224,15 +224,8 @@ class Bench:
         self.clock.sync()
         rollout = time.perf_counter() - start
         start = time.perf_counter()
-        toy_attributes(images.float().clamp(0, 1), self.prompts)
+        toy_attributes(images.float().clamp(0, 1), p.prompts)
         return {"rollout": rollout, "score": time.perf_counter() - start}
-
-    @property
-    def prompts(self) -> list[str]:
-        from jagg_pipeline.backbones.tiny import toy_captions
-
-        captions = toy_captions()
-        return [captions[i % len(captions)] for i in range(len(self.problem.latents))]
 
 
 def cases_for(name: str, settings: BenchSettings) -> list[Case]:

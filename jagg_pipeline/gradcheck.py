@@ -70,6 +70,8 @@ class GradcheckProblem:
     advantages: torch.Tensor
     # v_k at each trained step as the sampler saw it (what a rollout stores for reuse).
     velocities: dict[int, torch.Tensor]
+    # The samples' captions (diffusers backbones; analytic ones have random conditioning).
+    prompts: list[str]
 
     @property
     def velocity(self) -> sde.Velocity:
@@ -171,10 +173,12 @@ def build_problem(
         backbone = backbone or _tiny_backbone(settings)
         sigmas = backbone.sigmas(settings.num_steps).to(torch.float64)
         captions = toy_captions()
-        cond = backbone.encode_prompts([captions[i % len(captions)] for i in range(settings.batch)])
+        prompts = [captions[i % len(captions)] for i in range(settings.batch)]
+        cond = backbone.encode_prompts(prompts)
     else:
         backbone = build_analytic(settings.backbone, dtype=dtype, seed=settings.seed)
         sigmas = sde.static_shift_sigmas(settings.num_steps, settings.shift)
+        prompts = []
         cond = torch.randn(settings.batch, backbone.cond_dim, generator=gen, dtype=dtype)
 
     if settings.trajectory == "sde":
@@ -213,6 +217,7 @@ def build_problem(
         old_log_probs,
         advantages,
         velocities,
+        prompts,
     )
 
 

@@ -365,6 +365,6 @@ def sample(
         if noisy:
             log_probs[:, i] = log_prob(x, result.mean, result.std, coeffs.kind)
         latents.append(x)
-    none = x_init.new_zeros(batch, 0, *x_init.shape[1:])
-    velocities = torch.stack(trained, dim=1) if trained else none
+    empty = x_init.new_zeros(batch, 0, *x_init.shape[1:])
+    velocities = torch.stack(trained, dim=1) if trained else empty
     return Trajectory(torch.stack(latents, dim=1), log_probs, sigmas, masks, velocities)

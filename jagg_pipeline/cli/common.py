@@ -1,8 +1,8 @@
 """What the stage commands share on the command line.
 
 ``--config`` / ``--set`` (one meaning everywhere: ``--set KEY.PATH=VALUE`` overrides one key
-of the experiment config), ``--policy``, and turning bad input into a one-line
-``error: <message>`` exit.
+of the experiment config), ``--policy``, ``--run VARIANT SEED DIR`` (the commands that compare
+runs), and turning bad input into a one-line ``error: <message>`` exit.
 """
 
 from __future__ import annotations
@@ -41,6 +41,28 @@ def add_policy_argument(
 ) -> None:
     """``--policy base|CKPT``: the policy a stage samples from or trains."""
     parser.add_argument("--policy", required=True, metavar="base|CKPT", help=help)
+
+
+def add_run_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--run VARIANT SEED DIR`` (repeated): the runs a command compares or tracks."""
+    parser.add_argument(
+        "--run",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("VARIANT", "SEED", "DIR"),
+        help=help,
+    )
+
+
+def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
+    """The ``--run`` triples as (variant, integer seed, folder)."""
+    runs = []
+    for variant, seed, directory in args.run:
+        if not seed.isdigit():
+            raise SystemExit(f"error: --run {variant} {seed} {directory}: SEED must be an integer")
+        runs.append((variant, int(seed), Path(directory)))
+    return runs
 
 
 def load_stage_config(path: Path, overrides: list[str]) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jagg_pipeline.cli.common import stage_errors
-from jagg_pipeline.cli.track import add_runs_argument, parse_runs
+from jagg_pipeline.cli.common import parse_runs, stage_errors
+from jagg_pipeline.cli.track import add_target_runs_arguments
 
 HELP = "compare a target's runs from MLflow: index.html, table.md, curves/speed/cos-sim PNGs"
 
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(per-window cos-sim vs round, when jagg_frac: auto or jagg.probe_every probed it)."
         ),
     )
-    add_runs_argument(p)
+    add_target_runs_arguments(p)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     p.set_defaults(handler=_run)
 

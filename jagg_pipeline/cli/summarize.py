@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jagg_pipeline.cli.common import add_run_argument, parse_runs
+
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
 HELP = "compare an experiment's runs: metrics.jsonl of every run, table.md, curves.png"
 
@@ -22,14 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "and their rise, rollout reward, update-stage seconds per round) and curves.png."
         ),
     )
-    p.add_argument(
-        "--run",
-        nargs=3,
-        action="append",
-        required=True,
-        metavar=("VARIANT", "SEED", "DIR"),
-        help="a run folder and its variant and seed; repeat for every run",
-    )
+    add_run_argument(p, "a run folder and its variant and seed; repeat for every run")
     p.add_argument("--title", default="", help="heading of the table and the plot")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     p.set_defaults(handler=_run)
@@ -38,11 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.summary import write_summary
 
-    runs = {}
-    for variant, seed, directory in args.run:
-        if not seed.isdigit():
-            raise SystemExit(f"error: --run {variant} {seed} {directory}: SEED must be an integer")
-        runs[f"{variant}/seed-{seed}"] = (directory, variant, int(seed))
+    runs = {
+        f"{variant}/seed-{seed}": (directory, variant, seed)
+        for variant, seed, directory in parse_runs(args)
+    }
     write_summary(runs, args.out, args.title)
     print((args.out / "table.md").read_text())
     print(f"summary written to {args.out}")

@@ -6,32 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
-from jagg_pipeline.cli.common import stage_errors
+from jagg_pipeline.cli.common import add_run_argument, parse_runs, stage_errors
 
 HELP = "push finished runs (stage folders) to MLflow: params, metrics per round, grids"
 
 
-def add_runs_argument(p: argparse.ArgumentParser) -> None:
-    """``--run VARIANT SEED DIR`` (repeated): the runs of a target."""
-    p.add_argument(
-        "--run",
-        nargs=3,
-        action="append",
-        required=True,
-        metavar=("VARIANT", "SEED", "DIR"),
-        help="a run folder (with its resolved config.yaml) and its variant and seed; repeat",
+def add_target_runs_arguments(p: argparse.ArgumentParser) -> None:
+    """``--run VARIANT SEED DIR`` (repeated) and ``--target``: the runs of one target."""
+    add_run_argument(
+        p, "a run folder (with its resolved config.yaml) and its variant and seed; repeat"
     )
     p.add_argument("--target", required=True, help="the workflow target (experiment) name")
-
-
-def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
-    """The ``--run`` triples with integer seeds."""
-    runs = []
-    for variant, seed, directory in args.run:
-        if not seed.isdigit():
-            raise SystemExit(f"error: --run {variant} {seed} {directory}: SEED must be an integer")
-        runs.append((variant, int(seed), Path(directory)))
-    return runs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "new. With tracking.backend: none, nothing is pushed and mlflow is not imported."
         ),
     )
-    add_runs_argument(p)
+    add_target_runs_arguments(p)
     p.add_argument(
         "--parent-file",
         action="append",

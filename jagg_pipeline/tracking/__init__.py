@@ -172,13 +172,21 @@ def _git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+def _run_config(directory: str | Path) -> dict[str, Any]:
+    """The resolved ``config.yaml`` of the run in ``directory``, as plain data."""
+    return yaml.safe_load((Path(directory) / "config.yaml").read_text()) or {}
+
+
+def _key(config: Mapping[str, Any], target: str, variant: str, seed: int) -> str:
+    return f"{target}/{variant}/seed-{seed}@{digest(config)[:12]}"
+
+
 def run_key(directory: str | Path, target: str, variant: str, seed: int) -> str:
     """A run's identity in the tracker: ``target/variant/seed-s@<config digest>``.
 
     An edited variant is a new run; the old one stays in the tracker for comparison.
     """
-    config = yaml.safe_load((Path(directory) / "config.yaml").read_text())
-    return f"{target}/{variant}/seed-{seed}@{digest(config)[:12]}"
+    return _key(_run_config(directory), target, variant, seed)
 
 
 def run_record(
@@ -186,17 +194,18 @@ def run_record(
 ) -> RunRecord:
     """What is pushed for the run in ``directory`` (its resolved ``config.yaml`` included)."""
     directory = Path(directory)
-    config = yaml.safe_load((directory / "config.yaml").read_text())
+    config = _run_config(directory)
     overrides_file = directory / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else {}
-    key = run_key(directory, target, variant, seed)
+    key = _key(config, target, variant, seed)
+    metrics = read_run(directory, variant, seed)
     tags = {
         RUN_KEY_TAG: key,
         "jagg_target": target,
         "jagg_variant": variant,
         "jagg_seed": str(seed),
         "jagg_overrides": json.dumps(overrides, sort_keys=True),
-        "jagg_mode": str((config.get("jagg") or {}).get("mode", "")),
+        "jagg_mode": metrics.mode,
         "jagg_version": __version__,
         "snakemake_target": snakemake_target or target,
     }
@@ -204,7 +213,6 @@ def run_record(
         tags["git_commit"] = commit
     if job := os.environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = job
-    metrics = read_run(directory, variant, seed)
     artifacts = [(directory / "config.yaml", "")]
     artifacts += [(grid, f"eval/trained-{n:04d}") for n, grid in sorted(metrics.grids.items())]
     return RunRecord(
@@ -236,10 +244,7 @@ def tracking_of(directories: Sequence[str | Path]) -> TrackingConfig:
     """The one ``tracking`` section of the runs in ``directories`` (they must agree)."""
     from jagg_pipeline.configtools import ConfigError, from_dict
 
-    sections = {
-        json.dumps(yaml.safe_load((Path(d) / "config.yaml").read_text()).get("tracking") or {})
-        for d in directories
-    }
+    sections = {json.dumps(_run_config(d).get("tracking") or {}) for d in directories}
     if len(sections) != 1:
         raise ConfigError(f"tracking: the runs disagree ({' vs '.join(sorted(sections))})")
     return from_dict(TrackingConfig, json.loads(sections.pop()), prefix="tracking")
