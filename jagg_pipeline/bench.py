@@ -1,4 +1,4 @@
-"""The speed benchmark: exact vs JAGG (with and without velocity reuse) vs no_interp.
+"""The speed benchmark: exact vs JAGG (reuse on/off, joint/sequential backward) vs no_interp.
 
 The update stage of every mode on the same trajectories, in one process.
 
@@ -11,8 +11,9 @@ update into forward (inside network calls), backward (the rest of the engine) an
 seconds, and counts network forward rows, forward and backward calls and reused rows; the
 peak of live activation bytes saved for backward is measured once per case (CUDA: the
 allocator's peak). Beside each median speed-up stands the analytic prediction in
-forward-equivalents (a backward costs two forwards; DESIGN section 4): an exact window of n
-steps 3n, a JAGG window n + 4, with reuse 6.
+forward-equivalents (a backward costs two forwards): an exact window of n steps 3n, a JAGG
+window n + 4, with reuse 6; the sequential endpoint backward does the same work in two
+backward calls, holding one endpoint's activations at a time instead of two.
 
 A whole round (rollout + score + update) per backbone gives the per-round gain, and a
 two-rank (gloo) FSDP2 run counts reduce-scatters per optimizer step in every mode.
@@ -56,13 +57,15 @@ class Case:
     window: int
     frac: float
     reuse: bool = False
+    backward: str = "joint"  # jagg.endpoint_backward
 
     @property
     def name(self) -> str:
         if self.mode == "exact":
             return "exact"
         reuse = "+reuse" if self.reuse else ""
-        return f"{self.mode}{reuse} W={self.window} f={self.frac:g}"
+        sequential = " sequential" if self.backward == "sequential" else ""
+        return f"{self.mode}{reuse} W={self.window} f={self.frac:g}{sequential}"
 
 
 def save_bench_backbone(name: str, directory: str | Path, seed: int = 0) -> Path:
@@ -77,21 +80,24 @@ def save_bench_backbone(name: str, directory: str | Path, seed: int = 0) -> Path
     return Path(directory)
 
 
-def load_saved_backbone(name: str, directory: str | Path, device: str) -> Backbone:
-    """Load a pipeline saved by :func:`save_bench_backbone` through its family's adapter."""
+def load_saved_backbone(name: str, directory: str | Path, device: str, **spec: Any) -> Backbone:
+    """Load a pipeline saved by :func:`save_bench_backbone` through its family's adapter.
+
+    ``spec``: backbone settings that replace the toy world's (``dtype="bfloat16"``, ...).
+    """
     from jagg_pipeline.backbones import load_backbone
     from jagg_pipeline.config import BackboneSpec
     from jagg_pipeline.toyworld.models import toy_backbone_options
 
-    options = toy_backbone_options(name.split("-", 1)[1])
+    options = toy_backbone_options(name.split("-", 1)[1]) | spec
     return load_backbone(BackboneSpec(path=str(directory), device=device, **options))
 
 
-def load_bench_backbone(name: str, device: str, seed: int = 0) -> Backbone:
+def load_bench_backbone(name: str, device: str, seed: int = 0, **spec: Any) -> Backbone:
     """Benchmark backbone ``name``, saved in a temporary directory and loaded (one process)."""
     with tempfile.TemporaryDirectory(prefix="jagg-bench-") as directory:
         save_bench_backbone(name, directory, seed)
-        return load_saved_backbone(name, directory, device)
+        return load_saved_backbone(name, directory, device, **spec)
 
 
 def predicted_cost(case: Case, steps: Sequence[int]) -> int:
@@ -173,7 +179,13 @@ class Bench:
         self.clock.sync()
         start = time.perf_counter()
         (stats,) = jagg.accumulate_gradient(
-            self.velocity, [batch], windows, routed, case.mode, self.set_sync
+            self.velocity,
+            [batch],
+            windows,
+            routed,
+            case.mode,
+            self.set_sync,
+            endpoint_backward=case.backward,
         )
         self.clock.sync()
         engine = time.perf_counter() - start
@@ -230,19 +242,25 @@ class Bench:
 
 def cases_for(name: str, settings: BenchSettings) -> list[Case]:
     """The headline cases on every backbone, plus the W x jagg_frac grid on the sweep one."""
-    w = settings.window
-    cases = [
-        Case("exact", w, 0.0),
-        Case("jagg", w, 1.0),
-        Case("jagg", w, 1.0, reuse=True),
-        Case("no_interp", w, 1.0),
-    ]
+    cases = headline_cases(settings.window)
     if name == settings.sweep_backbone:
         for window in settings.windows:
             for frac in settings.fracs:
                 for mode, reuse in (("jagg", False), ("jagg", True), ("no_interp", False)):
                     cases.append(Case(mode, window, frac, reuse))
     return list(dict.fromkeys(cases))  # headline cells already in the grid appear once
+
+
+def headline_cases(window: int) -> list[Case]:
+    """Exact, then JAGG with and without reuse under both endpoint backwards, no_interp."""
+    return [
+        Case("exact", window, 0.0),
+        Case("jagg", window, 1.0),
+        Case("jagg", window, 1.0, backward="sequential"),
+        Case("jagg", window, 1.0, reuse=True),
+        Case("jagg", window, 1.0, reuse=True, backward="sequential"),
+        Case("no_interp", window, 1.0),
+    ]
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -333,7 +351,10 @@ def _whole_round(rows: list[dict[str, Any]], rounds: list[dict[str, float]]) -> 
     """Per-round seconds (rollout + score + update) of the headline cases and the gain."""
     rollout = statistics.median(r["rollout"] for r in rounds)
     score = statistics.median(r["score"] for r in rounds)
-    headline = {row["case"]: row["seconds"]["update"]["median"] for row in rows[:4]}
+    names = {case.name for case in headline_cases(rows[0]["window"])}
+    headline = {
+        row["case"]: row["seconds"]["update"]["median"] for row in rows if row["case"] in names
+    }
     exact = rollout + score + headline["exact"]
     return {
         "rollout": rollout,
@@ -419,6 +440,7 @@ def write_outputs(report: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "window",
         "frac",
         "reuse",
+        "backward",
         *(f"{k}_median" for k in _SECONDS),
         "speedup_median",
         "speedup_q1",
@@ -454,7 +476,7 @@ def plot_speedups(report: dict[str, Any], path: Path) -> Path:
         (b for b in report["backbones"] if b["backbone"] == report["settings"]["sweep_backbone"]),
         report["backbones"][0],
     )
-    rows = [r for r in sweep["cases"] if r["mode"] != "exact"]
+    rows = [r for r in sweep["cases"] if r["mode"] != "exact" and r["backward"] == "joint"]
     fracs = sorted({r["frac"] for r in rows})
     figure, axes = plt.subplots(1, len(fracs), figsize=(4 * len(fracs), 3.6), sharey=True)
     axes = axes if len(fracs) > 1 else [axes]
@@ -509,14 +531,14 @@ def format_report(report: dict[str, Any]) -> str:
             f"{backbone['backbone']}: {backbone['parameters'] / 1e6:.2f}M parameters, latents "
             f"{backbone['latent_shape']}, trained steps {len(backbone['trained_steps'])}, "
             f"batch {report['settings']['batch']}",
-            f"{'case':<28} {'update s':>9} {'fwd':>6} {'bwd':>6} {'opt':>6} {'speed-up':>9} "
+            f"{'case':<39} {'update s':>9} {'fwd':>6} {'bwd':>6} {'opt':>6} {'speed-up':>9} "
             f"{'[q1, q3]':>13} {'analytic':>8} {'bwd calls':>9} {'fwd calls':>9} "
             f"{'act. MB':>8} {'memory':>7}",
         ]
         for row in backbone["cases"]:
             s, r = row["seconds"], row["speedup"]
             lines.append(
-                f"{row['case']:<28} {s['update']['median']:>9.3f} {s['forward']['median']:>6.3f} "
+                f"{row['case']:<39} {s['update']['median']:>9.3f} {s['forward']['median']:>6.3f} "
                 f"{s['backward']['median']:>6.3f} {s['optimizer']['median']:>6.3f} "
                 f"{r['median']:>8.2f}x [{r['q1']:>5.2f}, {r['q3']:>5.2f}] "
                 f"{row['predicted_speedup']:>7.2f}x {row['backward_calls']:>9} "

@@ -2,9 +2,9 @@
 
 ``torchrun --nproc_per_node N -m jagg_pipeline.bench_worker BACKBONE DIR W BATCH STEPS OUT``:
 every rank loads the benchmark backbone saved in DIR and shards it, then accumulates one
-optimizer step of each headline case (exact, jagg, jagg + reuse, no_interp at W, jagg_frac
-1) with FSDP2's gradient sync on the last backward unit only, as training does, counting
-reduce-scatters.
+optimizer step of each headline case (exact, jagg and jagg + reuse under both endpoint
+backwards, no_interp at W, jagg_frac 1) with FSDP2's gradient sync on the last backward call
+only, as training does, counting reduce-scatters.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from jagg_pipeline.configtools import (
     ConfigError,
@@ -55,7 +55,12 @@ class LoraSettings:
     alpha: float | None = field(
         None, help="adapter scale numerator: the update is scaled by alpha / rank (null: rank)"
     )
-    dropout: float = field(0.0, help="dropout on the adapters' input, in [0, 1)", minimum=0)
+    dropout: float = field(
+        0.0,
+        help="dropout on the adapters' input; only 0: dropout makes the training forward a "
+        "random function, so the PPO ratio of the on-policy step is no longer 1",
+        minimum=0,
+    )
     targets: tuple[str, ...] | None = field(
         None,
         help="module-name suffixes that receive adapters, such as attn.to_q (null: the "
@@ -64,9 +69,16 @@ class LoraSettings:
     seed: int = field(0, help="seed of the adapters' initialisation (A random, B zero)", minimum=0)
 
     def __post_init__(self) -> None:
+        if self.dropout != 0:
+            # peft's dropout acts in training mode only, and rollout, evaluation and training
+            # all run the transformer in eval mode, where it would silently do nothing.
+            raise ValueError(
+                f"backbone.lora.dropout: {self.dropout} is not supported, set 0: GRPO's ratio "
+                "compares the training forward with the rollout's, so dropout in training makes "
+                "the on-policy ratio random (it clips steps that are exactly on-policy) and "
+                "breaks velocity reuse, and dropout in rollout makes samples random"
+            )
         check_bounds(self, "lora")
-        if self.dropout >= 1.0:
-            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +93,15 @@ class BackboneSpec:
     revision: str | None = field(None, help="hub revision (branch, tag or commit) of a hub id")
     height: int = field(1024, help="image height in pixels (a multiple of 16)", minimum=1)
     width: int = field(1024, help="image width in pixels (a multiple of 16)", minimum=1)
-    dtype: BackboneDtype = field("bfloat16", help="precision the pipeline is loaded in")
+    dtype: BackboneDtype = field(
+        "bfloat16", help="precision the pipeline is loaded in (and trained weights are kept in)"
+    )
+    mixed_precision: Literal["no", "bf16"] = field(
+        "no",
+        help="'bf16': the transformer computes in bfloat16 over weights kept in dtype (FSDP2's "
+        "MixedPrecisionPolicy in training, gradients reduced in float32); rollout and "
+        "evaluation compute the same way, so the on-policy ratio is 1",
+    )
     device: str = field("cpu", help="torch device the pipeline is loaded onto")
     cfg_scale: float = field(
         1.0,
@@ -128,6 +148,12 @@ class BackboneSpec:
                 f"got {self.training!r}"
             )
         check_bounds(self, self.key)
+        if self.mixed_precision == "bf16" and self.dtype == "float16":
+            raise ValueError(
+                f"{self.key}.mixed_precision: 'bf16' over {self.key}.dtype 'float16' computes "
+                "in fewer mantissa bits than the weights hold; set dtype to float32 (mixed "
+                "precision) or mixed_precision to 'no'"
+            )
         for side in ("height", "width"):
             if getattr(self, side) % PIXELS_PER_TOKEN:
                 raise ValueError(
@@ -235,6 +261,9 @@ class RewardsSpec:
     normalize_separately: bool = field(
         False, help="group-normalise each reward's advantage before weighting"
     )
+    device: str | None = field(
+        None, help="torch device of the reward models (null: backbone.device)"
+    )
     hpsv21: HPSv21Spec = field(
         default_factory=HPSv21Spec,
         help="HPSv2.1: open_clip ViT-H-14 + HPS v2.1 weights; cosine, no logit scale, in [-1, 1].",
@@ -272,6 +301,10 @@ class RewardsSpec:
             if not math.isfinite(weight):  # NaN or inf advantages, silently
                 raise ValueError(f"rewards.weights.{name}: must be a finite number, got {weight}")
 
+    def resolve_device(self, backbone_device: str) -> str:
+        """The device the reward models run on: ``device``, else the backbone's."""
+        return self.device or backbone_device
+
     def spec(self, name: str) -> Any:
         """The settings of reward ``name``."""
         if name not in REWARD_NAMES:
@@ -281,9 +314,11 @@ class RewardsSpec:
         return getattr(self, name)
 
 
-# The registered rewards, in registry order: every field of RewardsSpec but the two options.
+# The registered rewards, in registry order: every field of RewardsSpec but its options.
 REWARD_NAMES: tuple[str, ...] = tuple(
-    f.name for f in fields(RewardsSpec) if f.name not in ("weights", "normalize_separately")
+    f.name
+    for f in fields(RewardsSpec)
+    if f.name not in ("weights", "normalize_separately", "device")
 )
 
 # --------------------------------------------------------------------------------------------
@@ -417,7 +452,15 @@ class JaggConfig:
     reuse_velocities: bool = field(
         True,
         help="on a round's on-policy optimizer step (weights still those that sampled the "
-        "rollout), take interior velocities from the rollout instead of recomputing them",
+        "rollout), take interior velocities from the rollout instead of recomputing them; "
+        "checked by value: a window whose recomputed endpoints differ from the stored ones "
+        "beyond the compute precision's rounding recomputes its interiors",
+    )
+    endpoint_backward: Literal["joint", "sequential"] = field(
+        "sequential",
+        help="'sequential': each window endpoint's forward and backward on its own (the "
+        "activation memory of exact, two backward calls); 'joint': one stacked forward and one "
+        "backward (two endpoints' activations alive at once)",
     )
     probe_every: int = field(
         0,
@@ -432,12 +475,16 @@ class JaggConfig:
             "weights": self.weights,
             "no_interp": self.no_interp,
             "stack_forwards": self.stack_forwards,
+            "endpoint_backward": self.endpoint_backward,
         }
 
 
 @dataclass
 class TrainConfig:
     """The optimiser and the round loop."""
+
+    # Rollout and evaluation honour it too, so it belongs to the backbone's section now.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"mixed_precision": "backbone.mixed_precision"}
 
     rounds: int = field(30, help="training rounds (rollout -> score -> update)", minimum=1)
     lr: float = field(
@@ -458,9 +505,6 @@ class TrainConfig:
         help="decay of an EMA of the trained weights used for evaluation (null: none)",
         minimum=0,
         maximum=1,
-    )
-    mixed_precision: Literal["no", "bf16"] = field(
-        "no", help="FSDP2 MixedPrecisionPolicy: bf16 params, fp32 reduce"
     )
     nproc: int = field(1, help="processes (GPUs) per training job, under torchrun", minimum=1)
     allow_skipped_round: bool = field(

@@ -190,8 +190,12 @@ def from_dict(
     unknown = sorted(set(data) - set(fields))
     if unknown:
         keys = ", ".join(f"{prefix}.{k}" if prefix else str(k) for k in unknown)
+        # A section's MOVED_KEYS (old name -> where it lives now) turn into the fix.
+        renamed = getattr(cls, "MOVED_KEYS", {})
+        moved = [f"{k} is now {renamed[k]}" for k in unknown if k in renamed]
+        hint = f" ({'; '.join(moved)})" if moved else ""
         raise ConfigError(
-            f"{_where(keys, source)}: unknown key(s); known keys here: {', '.join(fields)}"
+            f"{_where(keys, source)}: unknown key(s){hint}; known keys here: {', '.join(fields)}"
         )
     kwargs, missing = {}, []
     for name, f in fields.items():

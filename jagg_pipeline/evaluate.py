@@ -95,9 +95,10 @@ def evaluate(config: Any, backbone: Backbone, progress: bool = True) -> Evaluati
     """Sample the evaluation images with ``backbone`` and score them with every metric."""
     plan = plan_evaluation(config)
     batch = sample_batches(backbone, plan, plan.micro_batches, desc="evaluate", progress=progress)
+    # The backbone's device is this rank's (cuda:LOCAL_RANK), not the config's bare "cuda".
+    device = config.rewards.resolve_device(str(backbone.device))
     metrics = {
-        name: load_reward(name, config.rewards.spec(name), backbone.device)
-        for name in config.eval.metrics
+        name: load_reward(name, config.rewards.spec(name), device) for name in config.eval.metrics
     }
     prompts = [plan.prompts[i] for i in batch.prompt_ids.tolist()]
     scores = reward_columns(metrics, batch.images, prompts, config.sampler.batch_size)

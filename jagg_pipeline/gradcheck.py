@@ -106,6 +106,7 @@ class GradcheckProblem:
             window=self.settings.window,
             weights=self.settings.weights,
             no_interp=self.settings.no_interp,
+            endpoint_backward=self.settings.endpoint_backward,
         )
 
     def gradient(
@@ -117,6 +118,7 @@ class GradcheckProblem:
             "jagg_frac": self.settings.jagg_frac,
             "weights": self.settings.weights,
             "no_interp": self.settings.no_interp,
+            "endpoint_backward": self.settings.endpoint_backward,
             **overrides,
         }
         result: list[jagg.TrajectoryStats] = []
@@ -252,7 +254,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"gradcheck: backbone={s['backbone']} trajectory={s['trajectory']} dtype={s['dtype']} "
         f"window={s['window']} steps={s['num_steps']} batch={s['batch']} "
-        f"weights={s['weights']} no_interp={s['no_interp']}",
+        f"weights={s['weights']} no_interp={s['no_interp']} "
+        f"endpoint_backward={s['endpoint_backward']}",
         "",
         f"{'window':>6} {'steps':>10} {'sigma_start':>11} {'sigma_end':>9} "
         f"{'jagg cos':>10} {'jagg rel_err':>12} {'no_int cos':>10} {'no_int rel_err':>14}",

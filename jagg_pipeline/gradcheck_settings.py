@@ -30,4 +30,7 @@ class GradcheckSettings:
     clip_range: float = 1e-4
     weights: Literal["time", "index"] = "time"
     no_interp: Literal["drop", "nearest"] = "drop"
+    # As training's default (jagg.endpoint_backward), so the backward calls counted here are
+    # the ones a training step makes.
+    endpoint_backward: Literal["joint", "sequential"] = "sequential"
     seed: int = 0

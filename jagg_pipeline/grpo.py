@@ -122,6 +122,12 @@ def clip_fraction(
 
 
 @torch.no_grad()
+def max_ratio_deviation(log_prob_new: torch.Tensor, log_prob_old: torch.Tensor) -> torch.Tensor:
+    """max |ratio - 1|: 0 on an exactly on-policy step; compare it with the clip range."""
+    return (torch.exp(log_prob_new - log_prob_old) - 1.0).abs().max().to(torch.float32)
+
+
+@torch.no_grad()
 def approx_kl(log_prob_new: torch.Tensor, log_prob_old: torch.Tensor) -> torch.Tensor:
     """0.5 mean((logp_new - logp_old)^2), the usual low-variance estimate of KL(old || new)."""
     return 0.5 * ((log_prob_new - log_prob_old) ** 2).to(torch.float32).mean()

@@ -3,14 +3,17 @@
 For a window of W steps with v_j = v_theta(z_j, t_j) and a per-step loss L_j(v_j), the exact
 gradient is G = sum_j J_j^T s_j with J_j = dv_j/dtheta and s_j = dL_j/dv_j. JAGG replaces
 J_j by (1 - alpha_j) J_0 + alpha_j J_{W-1}, alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}), so that
-G ~ J_0^T s_base + J_{W-1}^T s_corr: one backward through the network instead of W
-(DESIGN section 4). The schedule here:
+G ~ J_0^T s_base + J_{W-1}^T s_corr: two endpoint Jacobian products instead of W. The
+schedule here:
 
-1. both endpoints in ONE stacked forward with grad;
-2. the W - 2 interior steps in ONE batched no-grad forward (no endpoint is evaluated twice),
-   or none at all on the on-policy step: the rollout's own velocities are those v_j;
-3. every s_j by autograd through the step loss only, on a detached proxy of v_j;
-4. ONE backward of the stacked endpoint output with grad_outputs [s_base; s_corr].
+1. the W - 2 interior steps in ONE batched no-grad forward (no endpoint is evaluated twice),
+   or none at all on the on-policy step: the rollout's own velocities are those v_j, trusted
+   while the recomputed endpoints agree with the stored ones (checked by value);
+2. every s_j by autograd through the step loss only, on a detached proxy of v_j;
+3. ``sequential`` endpoint backward: each endpoint's forward with grad and its backward with
+   its own signal (s_base carries s_0 with weight 1 and s_{W-1} with 0, s_corr the reverse),
+   one graph alive at a time, as exact; ``joint``: both endpoints in ONE stacked forward and
+   ONE backward with grad_outputs [s_base; s_corr], both graphs alive at once.
 
 Gradients accumulate into ``param.grad`` (as ``loss.backward()`` would), so the engines
 compose with optimisers, gradient accumulation and FSDP2 hooks. Backbone-agnostic: the
@@ -33,6 +36,8 @@ GradMode = Literal["exact", "jagg", "no_interp"]
 GRAD_MODES: tuple[str, ...] = ("exact", "jagg", "no_interp")
 Weights = Literal["time", "index"]
 NoInterpVariant = Literal["drop", "nearest"]
+EndpointBackward = Literal["joint", "sequential"]
+ENDPOINT_BACKWARDS: tuple[str, ...] = ("joint", "sequential")
 # (v_k, k) -> scalar loss of trained step k; must depend on parameters only through v_k.
 StepLoss = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -46,6 +51,9 @@ class WindowStats:
     FSDP2, one reduce-scatter per parameter group each).
     ``loss`` sums the step losses that the mode evaluated (no_interp/drop skips interiors).
     ``reused_rows`` counts interior velocities taken from the rollout instead of a forward.
+    ``reuse_error``: the largest relative deviation of a recomputed endpoint velocity from the
+    stored one (None: nothing stored); ``reuse_rejected``: it exceeded
+    :func:`reuse_tolerance`, so the interiors were recomputed.
     """
 
     steps: list[int]
@@ -55,6 +63,8 @@ class WindowStats:
     network_calls: int = 0
     backward_calls: int = 0
     reused_rows: int = 0
+    reuse_error: float | None = None
+    reuse_rejected: bool = False
 
 
 def repeat_cond(cond: Any, times: int) -> Any:
@@ -110,10 +120,11 @@ def _evaluate(
     return velocity(z, sigma, repeat_cond(cond, len(steps)))
 
 
-def _exact(velocity, step_loss, latents, sigmas, cond, stats: WindowStats) -> None:
+def _exact(velocity, step_loss, latents, sigmas, cond, stats: WindowStats, before_backward) -> None:
     for k in stats.steps:
         v = _evaluate(velocity, latents, sigmas, cond, [k])
         loss = step_loss(v, k)
+        before_backward(k == stats.steps[-1])
         loss.backward()
         stats.loss += float(loss.detach())
         stats.forward_rows += 1
@@ -138,43 +149,166 @@ def _endpoint_weights(
     raise ValueError(f"no_interp variant must be 'drop' or 'nearest', got {no_interp!r}")
 
 
+# The on-policy check: stored velocities are trusted while the recomputed endpoints agree with
+# the stored ones to within this many units of the network output's precision (its eps), as a
+# relative RMS. Rounding differences from another batch composition accumulate through the
+# layers (measured: 1.6 eps in float64 for the stacked endpoint forward of the MLP DiT, 0 on
+# the CPU at the rollout's own batch size); other weights or a changed base checkpoint move
+# the velocities by far more. In bfloat16 that is a coarse guard (8 eps = 6%); what it cannot
+# see there, stored velocities computed in a finer precision than training computes in (a
+# float32 rollout under bf16 mixed precision: 4-5 eps apart on the toy backbones), shows as
+# stored values that bfloat16 cannot represent (:func:`finer_than`).
+REUSE_TOLERANCE_EPS = 8.0
+
+
+def reuse_tolerance(dtype: torch.dtype) -> float:
+    """The largest relative deviation of a recomputed velocity from a stored one taken as equal."""
+    return REUSE_TOLERANCE_EPS * torch.finfo(dtype).eps
+
+
+def velocity_deviation(recomputed: torch.Tensor, stored: torch.Tensor) -> float:
+    """||recomputed - stored|| / ||stored||, in float64 (0 when both are zero)."""
+    a = recomputed.detach().to(torch.float64)
+    b = stored.detach().to(a.device, torch.float64)
+    scale, error = float(b.norm()), float((a - b).norm())
+    if scale > 0:
+        return error / scale
+    return 0.0 if error == 0 else math.inf
+
+
+def finer_than(stored: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``stored`` holds values that ``dtype`` cannot: computed in a finer precision."""
+    if torch.finfo(stored.dtype).eps >= torch.finfo(dtype).eps:
+        return False
+    return not torch.equal(stored.to(dtype).to(stored.dtype), stored)
+
+
+class _Window:
+    """One approximated window's per-step signals and interior velocities.
+
+    Interior velocities are the stored ones while every endpoint checked so far agrees with
+    its stored velocity (:meth:`check`), else one no-grad forward recomputes them. Each step's
+    signal s_j is computed once and shared by both endpoint sums.
+    """
+
+    def __init__(self, velocity, step_loss, latents, sigmas, cond, stats, per_step, stack, known):
+        self.velocity, self.step_loss = velocity, step_loss
+        self.latents, self.sigmas, self.cond = latents, sigmas, cond
+        self.stats, self.per_step, self.stack, self.known = stats, per_step, stack, known
+        steps = stats.steps
+        self.interior = [k for k in steps[1:-1] if per_step[k] != (0.0, 0.0)]
+        self.stored = known is not None and all(k in known for k in self.interior)
+        self.velocities: dict[int, torch.Tensor] = {}
+        self.signals: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, float] = {}
+
+    def check(self, step: int, recomputed: torch.Tensor) -> None:
+        """Compare an endpoint's recomputed velocity with the stored one; stop reusing if off."""
+        if self.known is None or step not in self.known:
+            return
+        stats = self.stats
+        stored = self.known[step]
+        deviation = velocity_deviation(recomputed, stored)
+        stats.reuse_error = max(stats.reuse_error or 0.0, deviation)
+        off = deviation > reuse_tolerance(recomputed.dtype) or finer_than(stored, recomputed.dtype)
+        if self.stored and off:
+            stats.reuse_rejected = True
+            self.stored = False
+            for k in self.interior:  # anything taken from the stored values is redone
+                self.velocities.pop(k, None)
+                self.signals.pop(k, None)
+
+    def endpoint(self, step: int, value: torch.Tensor) -> None:
+        self.velocities[step] = value
+
+    def interiors(self, like: torch.Tensor | None = None) -> None:
+        """Fill in the interior velocities not known yet.
+
+        The stored ones (cast to ``like``'s device and dtype) while they are trusted, else one
+        no-grad forward.
+        """
+        missing = [k for k in self.interior if k not in self.velocities]
+        if not missing:
+            return
+        if self.stored:
+            self.velocities.update((k, self.known[k].to(like.device, like.dtype)) for k in missing)
+            self.stats.reused_rows = len(missing)
+            return
+        self.stats.reused_rows = 0
+        with torch.no_grad():
+            for group in [missing] if self.stack else [[k] for k in missing]:
+                v = _evaluate(self.velocity, self.latents, self.sigmas, self.cond, group)
+                self.velocities.update(zip(group, v.chunk(len(group)), strict=True))
+                self.stats.network_calls += 1
+                self.stats.forward_rows += len(group)
+
+    def signal(self, which: int, like: torch.Tensor) -> torch.Tensor:
+        """sum_j w_j s_j over the steps known so far; ``which`` 0: s_base, 1: s_corr."""
+        self.interiors(like)
+        total = None
+        for k in self.stats.steps:
+            weight = self.per_step[k][which]
+            if k not in self.velocities or weight == 0.0:
+                continue
+            if k not in self.signals:
+                self.signals[k], self.losses[k] = _step_signal(
+                    self.step_loss, self.velocities[k], k
+                )
+            term = weight * self.signals[k]
+            total = term if total is None else total + term
+        self.stats.loss = sum(self.losses.values())
+        return total
+
+
 def _aggregated(
-    velocity, step_loss, latents, sigmas, cond, stats: WindowStats, weights, no_interp, stack, known
+    velocity,
+    step_loss,
+    latents,
+    sigmas,
+    cond,
+    stats: WindowStats,
+    weights,
+    no_interp,
+    stack,
+    known,
+    backward: EndpointBackward,
+    before_backward: Callable[[bool], None],
 ) -> None:
     steps = stats.steps
     k0, k_last = steps[0], steps[-1]
     alphas = interpolation_weights(sigmas, steps, weights)
-    per_step = _endpoint_weights(stats.mode, alphas, no_interp)
-    interior = [k for j, k in enumerate(steps[1:-1], start=1) if per_step[j] != (0.0, 0.0)]
-    # Stacked: one call per group (fewer launches, bigger batches). Unstacked: every call has
-    # the rollout's batch composition, so recomputed log-probs match the sampler bit for bit.
+    per_step = dict(zip(steps, _endpoint_weights(stats.mode, alphas, no_interp), strict=True))
+    window = _Window(velocity, step_loss, latents, sigmas, cond, stats, per_step, stack, known)
+    if backward == "sequential":
+        # One endpoint graph alive at a time: its forward, its signal (its own step's plus
+        # the interiors' share), its backward. Exact's activation peak, two backward calls.
+        # Interiors that must be recomputed are, before any graph exists.
+        if not window.stored:
+            window.interiors()
+        for which, k in enumerate((k0, k_last)):
+            out = _evaluate(velocity, latents, sigmas, cond, [k])
+            stats.network_calls += 1
+            stats.forward_rows += 1
+            window.check(k, out)
+            window.endpoint(k, out.detach())
+            signal = window.signal(which, out)
+            before_backward(which == 1)
+            out.backward(signal.to(out.dtype))
+            stats.backward_calls += 1
+        return
+    # Joint: both endpoint graphs alive until ONE backward call (one reduce-scatter per
+    # parameter group under FSDP2). Stacked: one forward call (fewer launches, bigger
+    # batches); unstacked: every call has the rollout's batch composition.
     groups = [[k0, k_last]] if stack else [[k0], [k_last]]
     outputs = [_evaluate(velocity, latents, sigmas, cond, group) for group in groups]
-    velocities = dict(zip((k0, k_last), torch.cat(outputs).detach().chunk(2), strict=True))
-    # Interior velocities the caller already has (the rollout's, while the weights are still
-    # the ones that sampled it) need no forward: only their signals s_j enter the gradient.
-    reused = [k for k in interior if known is not None and k in known]
-    velocities.update((k, known[k].to(outputs[0].device, outputs[0].dtype)) for k in reused)
-    stats.reused_rows += len(reused)
-    interior = [k for k in interior if k not in velocities]
-    if interior:
-        with torch.no_grad():
-            for group in [interior] if stack else [[k] for k in interior]:
-                v = _evaluate(velocity, latents, sigmas, cond, group)
-                velocities.update(zip(group, v.chunk(len(group)), strict=True))
-                stats.network_calls += 1
     stats.network_calls += len(outputs)
-    stats.forward_rows += 2 + len(interior)
-
-    s_base = s_corr = None
-    for k, (w_base, w_corr) in zip(steps, per_step, strict=True):
-        if k not in velocities:
-            continue
-        signal, loss = _step_signal(step_loss, velocities[k], k)
-        stats.loss += loss
-        s_base = w_base * signal if s_base is None else s_base + w_base * signal
-        s_corr = w_corr * signal if s_corr is None else s_corr + w_corr * signal
+    stats.forward_rows += 2
+    for k, v in zip((k0, k_last), torch.cat(outputs).detach().chunk(2), strict=True):
+        window.check(k, v)
+        window.endpoint(k, v)
+    s_base, s_corr = window.signal(0, outputs[0]), window.signal(1, outputs[0])
     grad_outputs = [torch.cat([s_base, s_corr])] if stack else [s_base, s_corr]
+    before_backward(True)
     torch.autograd.backward(
         outputs, [g.to(out.dtype) for g, out in zip(grad_outputs, outputs, strict=True)]
     )
@@ -194,6 +328,8 @@ def window_gradient(
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
     known_velocities: Mapping[int, torch.Tensor] | None = None,
+    endpoint_backward: EndpointBackward = "joint",
+    before_backward: Callable[[bool], None] | None = None,
 ) -> WindowStats:
     """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
 
@@ -209,15 +345,28 @@ def window_gradient(
     ``known_velocities`` (step -> v_k [B, ...]): interior velocities to use instead of the
     interior forward, valid only while the parameters are those that produced them (the
     rollout's, before the round's first optimizer step); then a window costs the endpoint
-    forward and one backward. Exact windows and endpoints always run the network.
+    forward and one backward. Exact windows and endpoints always run the network, and each
+    recomputed endpoint is compared with its stored velocity (when one is given): beyond
+    :func:`reuse_tolerance`, or stored in a finer precision than the network computes in
+    (:func:`finer_than`), the stored interiors are not used (``stats.reuse_rejected``).
+    ``endpoint_backward``: ``joint`` keeps both endpoint graphs alive until one backward call;
+    ``sequential`` runs each endpoint's forward and backward on its own (two backward calls,
+    the activation peak of one step, the same gradient). ``before_backward(last)`` is called
+    before every backward call into the network, ``last`` True for the window's last one
+    (FSDP2's gradient-sync switch).
     """
     if mode not in GRAD_MODES:
         raise ValueError(f"gradient mode must be one of {GRAD_MODES}, got {mode!r}")
+    if endpoint_backward not in ENDPOINT_BACKWARDS:
+        raise ValueError(
+            f"endpoint_backward must be one of {ENDPOINT_BACKWARDS}, got {endpoint_backward!r}"
+        )
+    before_backward = before_backward or (lambda last: None)
     stats = WindowStats(steps=list(steps), mode=mode if len(steps) > 1 else "exact")
     if not stats.steps:
         raise ValueError("a window needs at least one step")
     if stats.mode == "exact":
-        _exact(velocity, step_loss, latents, sigmas, cond, stats)
+        _exact(velocity, step_loss, latents, sigmas, cond, stats, before_backward)
     else:
         _aggregated(
             velocity,
@@ -230,6 +379,8 @@ def window_gradient(
             no_interp,
             stack_forwards,
             known_velocities,
+            endpoint_backward,
+            before_backward,
         )
     return stats
 
@@ -309,13 +460,13 @@ def accumulate_gradient(
 
     THE accumulation loop: training and the gradient diagnostic both run it, so the backward
     calls they report are the same thing. Windows with ``routed`` True use ``mode``, the others
-    are exact. Backward calls are grouped into units: one per approximated window (a single
-    backward call over both endpoints) and one per step of an exact window (an exact window IS
-    W single-step backward calls, so splitting it computes exactly the same thing).
-    ``set_sync(on)`` (FSDP2's gradient sync) is called before each unit with on for the last
-    unit only: FSDP2 then accumulates the unsharded gradients locally and reduces each
-    parameter group ONCE per optimizer step instead of once per backward call (fewer
-    collectives, at the memory cost of holding the unsharded gradients of the step).
+    are exact. Work is grouped into units: one per approximated window and one per step of an
+    exact window (an exact window IS W single-step backward calls, so splitting it computes
+    exactly the same thing). ``set_sync(on)`` (FSDP2's gradient sync) is called before each
+    backward call with on for the last one only: FSDP2 then accumulates the unsharded
+    gradients locally and reduces each parameter group ONCE per optimizer step instead of once
+    per backward call (fewer collectives, at the memory cost of holding the unsharded
+    gradients of the step).
     """
     if len(routed) != len(windows):
         raise ValueError(f"routing has {len(routed)} entries for {len(windows)} windows")
@@ -328,8 +479,12 @@ def accumulate_gradient(
                 units.extend((m, w, [k], "exact") for k in chunk)
     stats = [[WindowStats(steps=list(c), mode="exact") for c in windows] for _ in micro_batches]
     for index, (m, w, steps, unit_mode) in enumerate(units):
-        if set_sync is not None:
-            set_sync(index == len(units) - 1)
+        last_unit = index == len(units) - 1
+
+        def before_backward(last: bool, last_unit: bool = last_unit) -> None:
+            if set_sync is not None:
+                set_sync(last_unit and last)
+
         part = micro_batches[m]
         result = window_gradient(
             velocity,
@@ -340,6 +495,7 @@ def accumulate_gradient(
             steps,
             unit_mode,
             known_velocities=part.velocities,
+            before_backward=before_backward,
             **engine_options,
         )
         merged = stats[m][w]
@@ -350,6 +506,9 @@ def accumulate_gradient(
         merged.network_calls += result.network_calls
         merged.backward_calls += result.backward_calls
         merged.reused_rows += result.reused_rows
+        merged.reuse_rejected |= result.reuse_rejected
+        if result.reuse_error is not None:
+            merged.reuse_error = max(merged.reuse_error or 0.0, result.reuse_error)
     return stats
 
 
@@ -369,6 +528,7 @@ def trajectory_gradient(
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
     known_velocities: Mapping[int, torch.Tensor] | None = None,
+    endpoint_backward: EndpointBackward = "joint",
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
@@ -389,6 +549,7 @@ def trajectory_gradient(
         weights=weights,
         no_interp=no_interp,
         stack_forwards=stack_forwards,
+        endpoint_backward=endpoint_backward,
     )
     return TrajectoryStats(windows=stats)
 
@@ -470,6 +631,7 @@ def probe_windows(
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
+    endpoint_backward: EndpointBackward = "joint",
 ) -> list[WindowProbe]:
     """Per window, cos-sim and relative error of the jagg and no_interp gradients vs exact.
 
@@ -492,6 +654,7 @@ def probe_windows(
                     weights=weights,
                     no_interp=no_interp,
                     stack_forwards=stack_forwards,
+                    endpoint_backward=endpoint_backward,
                 ),
             )
             for mode in GRAD_MODES

@@ -56,7 +56,7 @@ def _scored_rollout(
         column=sampler.prompt_column,
         progress=progress,
     )
-    summary = run_score(config, rollouts, scores, device=config.backbone.device).summary
+    summary = run_score(config, rollouts, scores).summary
     return rollouts, scores, float(summary["total_mean"])
 
 

@@ -122,13 +122,14 @@ class GRPOStepLoss:
         return per_sample.sum() / self.normalizer
 
     def diagnostics(self) -> dict[str, float]:
-        """Clipfrac and approx-KL over the steps evaluated so far."""
+        """Clipfrac, approx-KL and max |ratio - 1| over the steps evaluated so far."""
         if not self.seen:
-            return {"clipfrac": 0.0, "approx_kl": 0.0}
+            return {"clipfrac": 0.0, "approx_kl": 0.0, "max_ratio_dev": 0.0}
         ks = sorted(self.seen)
         new = torch.stack([self.seen[k] for k in ks], dim=1)
         old = self.old_log_probs[:, ks].to(new.dtype)
         return {
             "clipfrac": float(grpo.clip_fraction(new, old, self.clip_range)),
             "approx_kl": float(grpo.approx_kl(new, old)),
+            "max_ratio_dev": float(grpo.max_ratio_deviation(new, old)),
         }

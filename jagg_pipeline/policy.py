@@ -43,14 +43,28 @@ def policy_weights_dir(policy: str | Path) -> Path:
 
 
 def load_policy(
-    config: Any, policy: str | Path, device: str | torch.device | None = None
+    config: Any,
+    policy: str | Path,
+    device: str | torch.device | None = None,
+    *,
+    for_training: bool = False,
 ) -> Backbone:
     """The backbone of ``config.backbone`` on ``device``, with ``policy``'s weights if not base.
 
     A checkpoint directory must be a finished ``train`` output made under the same backbone
     section (else :class:`~jagg_pipeline.manifest.ManifestError` naming the file). ``device``
     None keeps ``config.backbone.device`` (a rank's ``cuda:<local rank>`` overrides it).
+    Under ``backbone.mixed_precision: bf16`` a backbone for sampling computes in bfloat16 as
+    training does (:meth:`Backbone.compute_in_bf16`); ``for_training`` leaves its weights in
+    ``backbone.dtype`` for FSDP2's mixed-precision policy to cast.
     """
+    backbone = _load(config, policy, device)
+    if config.backbone.mixed_precision == "bf16" and not for_training:
+        backbone.compute_in_bf16()
+    return backbone
+
+
+def _load(config: Any, policy: str | Path, device: str | torch.device | None) -> Backbone:
     spec = config.backbone
     if device is not None:
         spec = dataclasses.replace(spec, device=str(device))

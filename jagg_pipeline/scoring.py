@@ -125,17 +125,20 @@ def run_score(
     rollouts: str | Path,
     out: str | Path,
     *,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     chunk: int = 32,
 ) -> Scores:
     """The score stage: refuse rollouts of another backbone/sampler section, score, write.
 
-    Writes the folder ``out`` (table, summary, metrics, resolved config, manifest last);
-    returns what it wrote.
+    The reward models run on ``device`` (None: the config's ``rewards.device``, else
+    ``backbone.device``). Writes the folder ``out`` (table, summary, metrics, resolved config,
+    manifest last); returns what it wrote.
     """
     rollouts, out = Path(rollouts), Path(out)
     made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
     batch = load_rollout(rollouts)
+    if device is None:
+        device = config.rewards.resolve_device(config.backbone.device)
     reward = MultiReward.from_spec(
         config.rewards,
         device,

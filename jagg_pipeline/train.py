@@ -308,17 +308,43 @@ def _log_step(row: dict[str, Any], steps: int) -> None:
     )
 
 
-def _interior_path(stats: Sequence[Sequence[jagg.WindowStats]], window: int) -> str:
-    """Where a window's interior velocities came from on this rank.
+def _warn_rejected_reuse(row: dict[str, Any]) -> None:
+    """Say on stderr when the rollout's velocities failed the on-policy check."""
+    rejected = [w for w in row["windows"] if w["reuse_rejected"]]
+    if rejected:
+        worst = max(w["reuse_error"] for w in rejected)
+        print(
+            f"warning: train round {row['round']} step {row['step'] + 1}: the rollout's "
+            f"velocities differ from the recomputed ones (relative deviation {worst:.3g}) in "
+            f"window(s) {[w['window'] for w in rejected]}; their interiors were recomputed. "
+            "The rollout was not sampled by these weights in this precision (a changed base "
+            "checkpoint?): its log-probs are not on-policy either",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    ``reused`` (the rollout's), ``recomputed`` (a no-grad forward) or ``none`` (none needed:
-    exact windows, W = 2, no_interp drop).
+
+def _interior_path(stats: Sequence[Sequence[jagg.WindowStats]], window: int) -> dict[str, Any]:
+    """Where a window's interior velocities came from on this rank, and the on-policy check.
+
+    ``interior``: ``reused`` (the rollout's), ``recomputed`` (a no-grad forward) or ``none``
+    (none needed: exact windows, W = 2, no_interp drop). ``reuse_error``: the largest relative
+    deviation of a recomputed endpoint velocity from the rollout's (None: none stored or
+    checked); ``reuse_rejected``: it was beyond rounding, so the interiors were recomputed.
     """
     rows = [row[window] for row in stats]
+    errors = [w.reuse_error for w in rows if w.reuse_error is not None]
     if any(w.reused_rows for w in rows):
-        return "reused"
-    approximated = rows[0].mode != "exact"
-    return "recomputed" if approximated and any(w.forward_rows > 2 for w in rows) else "none"
+        interior = "reused"
+    elif rows[0].mode != "exact" and any(w.forward_rows > 2 for w in rows):
+        interior = "recomputed"
+    else:
+        interior = "none"
+    return {
+        "interior": interior,
+        "reuse_error": max(errors) if errors else None,
+        "reuse_rejected": any(w.reuse_rejected for w in rows),
+    }
 
 
 class _Trainer:
@@ -346,14 +372,14 @@ class _Trainer:
         # rollout's policy) until an optimizer step is applied: the on-policy state.
         self.on_policy = True
         self.clock = ForwardClock(ctx.device)
-        mixed = train.mixed_precision == "bf16"
+        mixed = config.backbone.mixed_precision == "bf16"
 
-        self.backbone = load_policy(config, policy, ctx.device)
+        self.backbone = load_policy(config, policy, ctx.device, for_training=True)
         distributed.shard_backbone(self.backbone, ctx, mixed_precision=mixed)
         self.velocity = self.clock.wrap(self.backbone.velocity)
         self.reference = None
         if config.grpo.kl_beta > 0:
-            frozen = load_policy(config, BASE, ctx.device)
+            frozen = load_policy(config, BASE, ctx.device, for_training=True)
             frozen.transformer.requires_grad_(False)
             distributed.shard_backbone(frozen, ctx, mixed_precision=mixed)
             self.reference = self.clock.wrap(frozen.velocity)
@@ -463,6 +489,9 @@ class _Trainer:
         forward_seconds = self.clock.seconds - forward_before
 
         diagnostics = [part.objective.diagnostics() for part in local]
+        (max_ratio_dev,) = distributed.all_reduce_max(
+            [max(d["max_ratio_dev"] for d in diagnostics)]
+        )
         loss, clipfrac, approx_kl = distributed.all_reduce_sum(
             [
                 sum(w.loss for row in stats for w in row),
@@ -480,7 +509,7 @@ class _Trainer:
                 "steps": list(chunk),
                 "mode": stats[0][w].mode,
                 "backward_calls": sum(row[w].backward_calls for row in stats),
-                "interior": _interior_path(stats, w),
+                **_interior_path(stats, w),
             }
             for w, chunk in enumerate(windows)
         ]
@@ -490,6 +519,7 @@ class _Trainer:
             "loss": loss,
             "clipfrac": clipfrac / len(samples),
             "approx_kl": approx_kl / len(samples),
+            "max_ratio_dev": max_ratio_dev,
             "grad_norm": grad_norm,
             "skipped": not applied,
             "skipped_steps": self.skipped,
@@ -585,6 +615,8 @@ def _run_steps(
                 row["probe"] = probes
                 row["time"]["probe"] = probe_seconds
         metrics.append(row)
+        if is_main:
+            _warn_rejected_reuse(row)
         if is_main and progress:
             if bar.disable:
                 _log_step(row, len(plan))

@@ -14,6 +14,16 @@ import torch
 torch.set_num_threads(int(os.environ.get("JAGG_TEST_THREADS", "1")))
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU tests (marker ``gpu``) are collected everywhere and skipped without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (the GPU suite: pytest -m gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def float64():
     """Run a test with float64 as the default dtype."""

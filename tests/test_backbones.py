@@ -354,7 +354,9 @@ def test_qwenimage_rejects_a_tokenizer_that_misplaces_the_template_cut(checkpoin
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_gradcheck_runs_on_tiny_backbones(family):
-    settings = GradcheckSettings(backbone=f"tiny-{family}", window=2, num_steps=4, batch=2)
+    settings = GradcheckSettings(
+        backbone=f"tiny-{family}", window=2, num_steps=4, batch=2, endpoint_backward="joint"
+    )
     report = run_gradcheck(settings)
     assert set(report) == {
         "settings",
@@ -394,3 +396,68 @@ def test_a_hub_id_resolves_through_the_local_hub_cache(checkpoints, tmp_path, mo
     z = reference.initial_noise(2, torch.Generator().manual_seed(0))
     sigma = torch.full((2,), 0.5)
     assert torch.equal(backbone.velocity(z, sigma, cond), reference.velocity(z, sigma, cond))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_an_adapter_with_dropout_samples_deterministically(checkpoints, family, tmp_path):
+    """A LoRA adapter saved with dropout 0.3 (a user's adapter): its Dropout modules stay in
+    eval mode, so two rollouts of the loaded policy are byte-identical. (peft injects adapter
+    modules in training mode, after the backbone was put in eval mode.)"""
+    trained = load(checkpoints, family, training="lora", lora=LoraSettings(rank=4))
+    with torch.no_grad():  # a non-zero B, so that dropout on the adapter input would show
+        for name, param in trained.transformer.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    saved = trained.save_lora(tmp_path / "adapter")
+    config_file = saved / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"lora_dropout": 0.3}))
+    for training, settings in [("lora", LoraSettings(rank=4)), ("full", None)]:
+        backbone = load(checkpoints, family, training=training, lora=settings or LoraSettings())
+        backbone.load_lora(saved)
+        dropouts = [m for m in backbone.transformer.modules() if isinstance(m, torch.nn.Dropout)]
+        assert not any(m.training for m in dropouts)
+        # Injected from the file (a full backbone): the file's dropout; loaded into adapters
+        # made from the config (which refuses dropout): the config's.
+        assert any(m.p == 0.3 for m in dropouts) == (training == "full")
+        first, second = rollout(backbone)[0], rollout(backbone)[0]
+        assert torch.equal(first.latents, second.latents)
+        assert torch.equal(first.log_probs, second.log_probs)
+
+
+def test_fresh_adapters_are_in_eval_mode(checkpoints):
+    backbone = load(checkpoints, "sd3", training="lora", lora=LoraSettings(rank=4))
+    assert not any(m.training for m in backbone.transformer.modules())
+
+
+def test_lora_dropout_is_refused_naming_the_key_and_the_reason():
+    with pytest.raises(ValueError, match=r"backbone\.lora\.dropout.*on-policy ratio"):
+        LoraSettings(dropout=0.3)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_bf16_compute_equals_fsdp2_mixed_precision(checkpoints, family):
+    """Rollout and evaluation under mixed_precision bf16 compute what training computes under
+    FSDP2's bf16 policy: bit for bit, so the on-policy ratio is 1."""
+    from jagg_pipeline import distributed
+
+    sampler, trainer = load(checkpoints, family), load(checkpoints, family)
+    traj, cond, _, _, _ = rollout(sampler)
+    z, sigma = traj.latents[:, 2], traj.sigmas[2].expand(len(PROMPTS))
+    with torch.no_grad():
+        full = sampler.velocity(z, sigma, cond)
+        sampler.compute_in_bf16()
+        cast = sampler.velocity(z, sigma, cond)
+    with distributed.distributed("cpu") as ctx:
+        distributed.shard_backbone(trainer, ctx, mixed_precision=True)
+        with torch.no_grad():
+            sharded = trainer.velocity(z, sigma, cond)
+    assert cast.dtype == sharded.dtype == torch.bfloat16
+    assert torch.equal(cast, sharded)
+    # ... and measurably not what float32 computes (the velocities the rollout stored before).
+    assert jagg.velocity_deviation(sharded, full) > jagg.reuse_tolerance(torch.float32)
+
+
+def test_mixed_precision_over_float16_weights_is_refused_naming_both_keys(checkpoints):
+    with pytest.raises(ValueError, match=r"backbone\.mixed_precision.*backbone\.dtype"):
+        BackboneSpec("sd3", "x", dtype="float16", mixed_precision="bf16")

@@ -50,6 +50,9 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
         "exact": (8, 8, 0, 1.0),
         "jagg W=4 f=1": (2, 4, 0, 1.5),
         "jagg+reuse W=4 f=1": (2, 2, 4, 2.0),
+        # Sequential: the same forwards, each endpoint its own call and backward call.
+        "jagg W=4 f=1 sequential": (4, 6, 0, 1.5),
+        "jagg+reuse W=4 f=1 sequential": (4, 4, 4, 2.0),
         "no_interp W=4 f=1": (2, 2, 0, 2.0),
         "jagg+reuse W=8 f=1": (1, 1, 6, 4.0),
     }
@@ -63,12 +66,15 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
         assert row["predicted_speedup"] == pytest.approx(predicted)
         assert row["seconds"]["update"]["median"] > 0
         assert row["peak_activation_bytes"] > 0
-    # Both endpoints' activations are alive for the one backward: twice exact's step.
-    assert rows["jagg W=4 f=1"]["peak_activation_bytes"] == pytest.approx(
-        2 * rows["exact"]["peak_activation_bytes"], rel=0.05
-    )
+    # Joint: both endpoints' activations are alive for the one backward, twice exact's step;
+    # sequential: one endpoint's at a time, exact's.
+    exact_peak = rows["exact"]["peak_activation_bytes"]
+    for reuse in ("", "+reuse"):
+        joint, sequential = (rows[f"jagg{reuse} W=4 f=1{s}"] for s in ("", " sequential"))
+        assert joint["peak_activation_bytes"] == pytest.approx(2 * exact_peak, rel=0.05)
+        assert sequential["peak_activation_bytes"] == pytest.approx(exact_peak, rel=0.05)
     whole = backbone["round"]
-    assert whole["rollout"] > 0 and set(whole["round_speedup"]) == set(list(rows)[:4])
+    assert whole["rollout"] > 0 and set(whole["round_speedup"]) == set(list(rows)[:6])
     reduce = report["reduce_scatters"]
     assert reduce["world_size"] == 2
     assert set(reduce["per_step"].values()) == {reduce["groups"]}  # once per group per step

@@ -114,7 +114,7 @@ def test_bounds_are_in_the_schema_and_the_schema_enforces_them():
         ("sampler: {group_size: 1}", r"sampler\.group_size: 1 is below the minimum 2$"),
         ("backbone: {height: 0}", r"backbone\.height: 0 is below the minimum 1$"),
         ("backbone: {lora: {rank: 0}}", r"backbone\.lora\.rank: 0 is below the minimum 1$"),
-        ("backbone: {lora: {dropout: 1.0}}", r"backbone\.lora: lora dropout must be in \[0, 1\)"),
+        ("backbone: {lora: {dropout: 0.3}}", r"backbone\.lora\.dropout: 0\.3 is not supported"),
         (
             "rewards: {jpeg_compressibility: {quality: 100}}",
             r"rewards\.jpeg_compressibility\.quality: 100 is above the maximum 95$",
@@ -218,3 +218,10 @@ def test_config_cli_shows_resolved_yaml_and_schema(tmp_path, capsys):
     assert "jagg.mode: 'fast' is not one of" in capsys.readouterr().err
     assert main(["config", "show", "--set", "train.lr=0"]) == 2
     assert "train.lr: 0.0 must be above 0" in capsys.readouterr().err
+
+
+def test_gradcheck_counts_the_backward_calls_of_the_default_training_step():
+    from jagg_pipeline.config import JaggConfig
+    from jagg_pipeline.gradcheck_settings import GradcheckSettings
+
+    assert GradcheckSettings().endpoint_backward == JaggConfig().endpoint_backward

@@ -84,7 +84,21 @@ BAD = {
     "ema decay 1.5": ("train: {ema_decay: 1.5}", "train.ema_decay", "maximum"),
     "seed negative": ("train: {seed: -1}", "train.seed", "minimum"),
     "schedule": ("train: {lr_schedule: step}", "train.lr_schedule", "not one of"),
-    "mixed precision": ("train: {mixed_precision: fp16}", "train.mixed_precision", "not one of"),
+    "mixed precision": (
+        "backbone: {mixed_precision: fp16}",
+        "backbone.mixed_precision",
+        "not one of",
+    ),
+    "mixed precision moved": (
+        "train: {mixed_precision: bf16}",
+        "train.mixed_precision",
+        "is now backbone.mixed_precision",
+    ),
+    "mixed precision over fp16": (
+        "backbone: {dtype: float16, mixed_precision: bf16}",
+        "backbone.mixed_precision",
+        "backbone.dtype",
+    ),
     # rewards and eval
     "reward weight inf": (
         "rewards: {weights: {toy_attributes: .inf}}",
@@ -109,7 +123,7 @@ BAD = {
     "width zero": ("backbone: {width: 0}", "backbone.width", "minimum"),
     "cfg below one": ("backbone: {cfg_scale: 0.5}", "backbone.cfg_scale", "minimum"),
     "lora rank zero": ("backbone: {lora: {rank: 0}}", "backbone.lora.rank", "minimum"),
-    "lora dropout one": ("backbone: {lora: {dropout: 1.0}}", "backbone.lora", "[0, 1)"),
+    "lora dropout": ("backbone: {lora: {dropout: 0.3}}", "backbone.lora.dropout", "ratio"),
     "dtype": ("backbone: {dtype: float8}", "backbone.dtype", "not one of"),
     # file structure
     "unknown section": ("samplr: {num_steps: 4}", "samplr", "unknown key"),

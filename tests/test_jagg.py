@@ -103,9 +103,11 @@ def test_jagg_matches_explicit_jacobian_interpolation_on_a_nonlinear_model():
 def test_window_of_two_is_exact_for_a_nonlinear_model():
     p = problem(backbone="mlp-dit", trajectory="sde", window=2)
     exact, _ = p.gradient("exact")
-    approx, stats = p.gradient("jagg")
+    approx, stats = p.gradient("jagg", endpoint_backward="joint")
     assert rel_err(approx, exact) < 1e-12
     assert stats.backward_calls == len(stats.windows)
+    sequential, _ = p.gradient("jagg", endpoint_backward="sequential")
+    assert rel_err(sequential, exact) < 1e-12
 
 
 @pytest.mark.parametrize("mode", ["jagg", "no_interp"])
@@ -313,7 +315,7 @@ def test_rollout_log_probs_recomputed_give_ratio_exactly_one(dtype):
     )
     for k in p.steps:
         assert torch.equal(objective.seen[k], p.old_log_probs[:, k])
-    assert objective.diagnostics() == {"clipfrac": 0.0, "approx_kl": 0.0}
+    assert objective.diagnostics() == {"clipfrac": 0.0, "approx_kl": 0.0, "max_ratio_dev": 0.0}
 
 
 def test_engine_errors_name_the_problem():
@@ -403,3 +405,124 @@ def test_reused_rollout_velocities_give_the_recomputed_gradient(backbone, dtype,
     exact, _ = p.gradient("exact")
     also_exact, stats = p.gradient("exact", known_velocities=p.velocities)
     assert torch.equal(exact, also_exact) and stats.reused_rows == 0
+
+
+@pytest.mark.parametrize("endpoint_backward", ["joint", "sequential"])
+@pytest.mark.parametrize("backbone", ["mlp-dit", "tiny-flux"])
+def test_stale_stored_velocities_are_detected_and_recomputed(backbone, endpoint_backward):
+    """Stored velocities 1e-3 off (other weights, dropout, another base): the recomputed
+    endpoints disagree beyond rounding, so the interiors are recomputed and the gradient is
+    the recomputed one; the window's record says so. Unchanged ones pass the check."""
+    p = problem(backbone=backbone, trajectory="sde", window=4, batch=4)
+    options = dict(endpoint_backward=endpoint_backward)
+    recomputed, _ = p.gradient("jagg", **options)
+    stale = {k: v * (1 + 1e-3) for k, v in p.velocities.items()}
+    checked, stats = p.gradient("jagg", known_velocities=stale, **options)
+    assert rel_err(checked, recomputed) < 1e-12
+    approximated = [w for w in stats.windows if len(w.steps) > 2]
+    assert approximated and all(w.reuse_rejected and w.reused_rows == 0 for w in approximated)
+    assert all(w.reuse_error == pytest.approx(1e-3 / (1 + 1e-3)) for w in approximated)
+    _, fresh = p.gradient("jagg", known_velocities=p.velocities, **options)
+    assert not any(w.reuse_rejected for w in fresh.windows)
+    assert all(w.reuse_error < jagg.reuse_tolerance(torch.float64) for w in fresh.windows)
+    assert fresh.reused_rows == sum(len(w.steps) - 2 for w in approximated)
+
+
+# 7. the endpoint backward schedule: joint (one backward) or sequential (exact's memory) -----
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("backbone", ["mlp-dit", "tiny-flux"])
+def test_sequential_endpoint_backward_gives_the_joint_gradient(backbone, reuse):
+    p = problem(backbone=backbone, trajectory="sde", window=4, batch=3)
+    known = p.velocities if reuse else None
+    for mode, variant in [("jagg", "drop"), ("no_interp", "drop"), ("no_interp", "nearest")]:
+        joint, joint_stats = p.gradient(
+            mode, no_interp=variant, known_velocities=known, endpoint_backward="joint"
+        )
+        seq, seq_stats = p.gradient(
+            mode, no_interp=variant, known_velocities=known, endpoint_backward="sequential"
+        )
+        assert rel_err(seq, joint) < 1e-12, (mode, variant)
+        assert seq_stats.loss == pytest.approx(joint_stats.loss, rel=1e-12)
+        assert seq_stats.reused_rows == joint_stats.reused_rows
+        # Two backward calls per approximated window instead of one; no extra forward rows.
+        approximated = sum(len(w.steps) > 1 for w in joint_stats.windows)
+        assert seq_stats.backward_calls == joint_stats.backward_calls + approximated
+        assert seq_stats.forward_rows == joint_stats.forward_rows
+
+
+@pytest.mark.parametrize("window", [3, 4])
+def test_sequential_endpoint_backward_is_exact_on_the_chord(window):
+    p = problem(backbone="affine", trajectory="chord", window=window)
+    exact, _ = p.gradient("exact")
+    seq, _ = p.gradient("jagg", endpoint_backward="sequential")
+    assert rel_err(seq, exact) < 1e-12
+
+
+def test_sequential_endpoint_backward_holds_one_endpoint_graph_at_a_time():
+    """Peak bytes saved for backward: sequential about exact's, joint about twice."""
+    from jagg_pipeline.bench import SavedActivations
+
+    p = problem(backbone="tiny-flux", trajectory="sde", window=4, dtype="float32", batch=4)
+    peaks = {}
+    for name, mode, options in [
+        ("exact", "exact", {}),
+        ("joint", "jagg", {"endpoint_backward": "joint"}),
+        ("sequential", "jagg", {"endpoint_backward": "sequential"}),
+    ]:
+        with SavedActivations(p.params).measure() as meter:
+            p.gradient(mode, known_velocities=p.velocities, **options)
+        peaks[name] = meter.peak
+    assert peaks["sequential"] <= 1.1 * peaks["exact"], peaks
+    assert peaks["joint"] >= 1.8 * peaks["exact"], peaks
+
+
+def test_gradient_sync_is_on_for_the_last_backward_call_of_the_step_only():
+    """FSDP2 reduces once per optimizer step: every backward call but the last runs unsynced,
+    whichever endpoint schedule (sequential makes two calls per window)."""
+    p = problem(backbone="mlp-dit", trajectory="sde", window=4)
+    windows = jagg.split_windows(p.steps, 4)
+    for endpoint_backward, calls in [("joint", 3), ("sequential", 6)]:
+        switches = []
+        batch = jagg.MicroBatch(p.latents, p.sigmas, p.cond, p.objective())
+        jagg.accumulate_gradient(
+            p.velocity,
+            [batch, batch],
+            windows,
+            [True] * len(windows),
+            "jagg",
+            switches.append,
+            endpoint_backward=endpoint_backward,
+        )
+        assert switches == [False] * (2 * calls - 1) + [True], endpoint_backward
+
+
+def test_velocities_stored_in_a_finer_precision_than_training_computes_are_refused():
+    """A float32 rollout under bf16 training (what mixed precision did before the rollout
+    computed in bf16 too): the values are within bf16's tolerance, but bf16 cannot hold them,
+    so they were not computed the way training computes; the same values rounded to bf16 pass."""
+    p = problem(backbone="tiny-flux", trajectory="sde", window=4, dtype="float32", batch=4)
+
+    def bf16_output(z, sigma, cond):
+        return p.velocity(z, sigma, cond).to(torch.bfloat16)
+
+    def run(known):
+        return jagg.trajectory_gradient(
+            bf16_output,
+            p.objective(),
+            p.latents,
+            p.sigmas,
+            p.cond,
+            p.steps,
+            window=4,
+            mode="jagg",
+            known_velocities=known,
+        )
+
+    approximated = [w for w in run(p.velocities).windows if len(w.steps) > 2]
+    assert all(w.reuse_rejected and w.reuse_error < 8 * 2**-7 for w in approximated)
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in p.velocities.items()}
+    kept = [w for w in run(rounded).windows if len(w.steps) > 2]
+    assert not any(w.reuse_rejected for w in kept)
+    assert all(w.reused_rows == len(w.steps) - 2 for w in kept)

@@ -61,18 +61,20 @@ def test_jagg_at_window_2_equals_exact_and_frac_0_is_exact(tiny_sd3, base_rollou
     runs = {}
     for name, jagg in {
         "exact": {"mode": "exact", "window": 2},
-        "jagg": {"mode": "jagg", "window": 2, "jagg_frac": 1.0},
+        "jagg": {"mode": "jagg", "window": 2, "jagg_frac": 1.0, "endpoint_backward": "joint"},
+        "sequential": {"mode": "jagg", "window": 2, "jagg_frac": 1.0},
         "frac0": {"mode": "jagg", "window": 4, "jagg_frac": 0.0},
     }.items():
         result = _train(make_config(tiny_sd3, jagg=jagg), base_rollout, tmp_path / name)
         runs[name] = (policy_weights(tmp_path / name), result.metrics[0])
-    exact, jagg, frac0 = (runs[n][0] for n in ("exact", "jagg", "frac0"))
+    exact, jagg, sequential, frac0 = (runs[n][0] for n in runs)
     # float64: the stacked endpoint forward changes the summation order, nothing else.
     assert max_difference(exact, jagg) <= 1e-15
+    assert max_difference(exact, sequential) <= 1e-15
     assert all(torch.equal(exact[k], frac0[k]) for k in exact)  # the same computation
     # 8 trained steps, 2 micro-batches: exact makes 8 backward calls per micro-batch, jagg at
-    # W = 2 one per window of 2.
-    assert [runs[n][1]["backward_calls"] for n in ("exact", "jagg", "frac0")] == [16, 8, 16]
+    # W = 2 one per window of 2 (joint endpoint backward), or one per endpoint (sequential).
+    assert [runs[n][1]["backward_calls"] for n in runs] == [16, 8, 16, 16]
     # The step's gradient is that of the mean over ALL its samples and trained steps, however
     # they are split into micro-batches and backward calls.
     direct = _mean_objective_gradient(make_config(tiny_sd3), *base_rollout)
@@ -116,7 +118,7 @@ def _mean_objective_gradient(config, rollouts, table):
     return jagg.collect_gradient(backbone.trainable_parameters(), loss)
 
 
-def test_window_4_counts_4_backward_calls_per_exact_window_1_per_jagg(
+def test_window_4_counts_4_backward_calls_per_exact_window_2_per_jagg(
     tiny_sd3, base_rollout, tmp_path
 ):
     """Test 2b: W = 4, jagg_frac = 0.5: the high-noise window is jagg, the other exact."""
@@ -125,7 +127,8 @@ def test_window_4_counts_4_backward_calls_per_exact_window_1_per_jagg(
     (row,) = metrics
     assert row["micro_batches_per_rank"] == 2
     windows = [(w["steps"], w["mode"], w["backward_calls"]) for w in row["windows"]]
-    assert windows == [([0, 1, 2, 3], "jagg", 1 * 2), ([4, 5, 6, 7], "exact", 4 * 2)]
+    # The sequential endpoint backward (the default): one backward call per endpoint.
+    assert windows == [([0, 1, 2, 3], "jagg", 2 * 2), ([4, 5, 6, 7], "exact", 4 * 2)]
     assert row["routing"] == {"source": "fraction", "routed": [True, False]}
     # The metrics line carries what the issue asks for.
     for key in ("loss", "clipfrac", "approx_kl", "grad_norm", "lr", "reward", "skipped"):
@@ -238,6 +241,67 @@ def test_rollout_velocities_are_reused_on_the_on_policy_step_only(tiny_sd3, base
     assert fast.metrics[1]["network_calls"] == slow.metrics[1]["network_calls"]
     # float64 on CPU: the stored velocities are the recomputed ones.
     assert max_difference(policy_weights(tmp_path / "a"), policy_weights(tmp_path / "b")) <= 1e-15
+
+
+def _update(config, checkpoint):
+    """The flat float64 change a checkpoint made to the base weights."""
+    from jagg_pipeline.policy import load_policy
+
+    base = load_policy(config, "base", for_training=True).transformer.state_dict()
+    trained = policy_weights(checkpoint)
+    return torch.cat([(trained[k].double() - base[k].double()).flatten() for k in sorted(trained)])
+
+
+def test_bf16_mixed_precision_rollout_is_on_policy(tiny_sd3, tmp_path):
+    """float32 weights, bf16 compute: the rollout computes in bf16 as FSDP2's policy does in
+    training, so the first step's ratio is 1 and reusing the rollout's velocities gives the
+    update that recomputing them gives. A rollout computed in float32 is refused."""
+    jagg = {"mode": "jagg", "window": 4, "jagg_frac": 1.0}
+    mixed = {"dtype": "float32", "mixed_precision": "bf16"}
+    config = make_config(tiny_sd3, backbone=mixed, jagg=jagg)
+    rollout = scored_rollout(config, tmp_path / "round")
+    fast = _train(config, rollout, tmp_path / "reuse")
+    no_reuse = make_config(tiny_sd3, backbone=mixed, jagg=jagg | {"reuse_velocities": False})
+    slow = _train(no_reuse, rollout, tmp_path / "recompute")
+    windows = fast.metrics[0]["windows"]
+    assert [w["interior"] for w in windows] == ["reused", "reused"]
+    assert not any(w["reuse_rejected"] for w in windows)
+    for result in (fast, slow):
+        first = result.metrics[0]
+        assert first["max_ratio_dev"] <= config.grpo.clip_range / 100, first["max_ratio_dev"]
+        assert first["clipfrac"] == 0.0
+    a, b = _update(config, tmp_path / "reuse"), _update(config, tmp_path / "recompute")
+    assert float(a @ b / (a.norm() * b.norm())) > 0.999
+    assert float((a - b).norm() / a.norm()) < 1e-2
+
+    plain = make_config(tiny_sd3, backbone={"dtype": "float32"}, jagg=jagg)
+    with pytest.raises(ManifestError, match="backbone"):
+        _train(config, scored_rollout(plain, tmp_path / "float32"), tmp_path / "refused")
+
+
+def test_a_changed_base_checkpoint_is_noticed_by_value(tiny_sd3, tmp_path, capsys):
+    """The base folder changed between rollout and training (no digest covers it): the
+    recomputed endpoints disagree with the stored velocities, so the interiors are
+    recomputed, the window records say so and a warning names the deviation."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = shutil.copytree(tiny_sd3, tmp_path / "base")
+    jagg = {"mode": "jagg", "window": 4, "jagg_frac": 1.0}
+    rollout = scored_rollout(make_config(base, jagg=jagg), tmp_path / "round")
+    weights = base / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(weights))
+    save_file({k: v * 1.01 for k, v in state.items()}, str(weights))
+    changed = _train(make_config(base, jagg=jagg), rollout, tmp_path / "reuse")
+    assert "the rollout's velocities differ from the recomputed ones" in capsys.readouterr().err
+    windows = changed.metrics[0]["windows"]
+    assert all(w["reuse_rejected"] and w["interior"] == "recomputed" for w in windows)
+    assert min(w["reuse_error"] for w in windows) > 1e-3
+    no_reuse = make_config(base, jagg=jagg | {"reuse_velocities": False})
+    _train(no_reuse, rollout, tmp_path / "recompute")
+    reused, recomputed = policy_weights(tmp_path / "reuse"), policy_weights(tmp_path / "recompute")
+    assert max_difference(reused, recomputed) == 0.0
 
 
 def test_decide_routing_probes_on_schedule():
@@ -409,9 +473,14 @@ def test_lora_ema_kl_bf16_checkpointing_checkpoint_is_the_next_policy(tiny_sd3, 
 
     config = make_config(
         tiny_sd3,
-        backbone={"training": "lora", "lora": {"rank": 2}, "gradient_checkpointing": True},
+        backbone={
+            "training": "lora",
+            "lora": {"rank": 2},
+            "gradient_checkpointing": True,
+            "mixed_precision": "bf16",
+        },
         grpo={"kl_beta": 0.1},
-        train={"ema_decay": 0.9, "mixed_precision": "bf16", "lr": 1e-3},
+        train={"ema_decay": 0.9, "lr": 1e-3},
     )
     rollout = scored_rollout(config, tmp_path / "r0")
     result = _train(config, rollout, tmp_path / "ckpt")

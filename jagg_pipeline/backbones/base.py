@@ -465,6 +465,11 @@ class Backbone(ABC):
         else:
             raise ValueError(f"training mode must be one of {TRAINING_MODES}, got {mode!r}")
         self.training_mode = mode
+        self._eval_adapters()
+
+    def _eval_adapters(self) -> None:
+        """Eval mode again: peft creates its adapter modules (dropout too) in training mode."""
+        self.transformer.eval()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The parameters an optimiser should update."""
@@ -478,6 +483,30 @@ class Backbone(ABC):
         """Load adapters saved by :meth:`save_lora` (into this backbone's adapters, if any)."""
         lora.load_lora(self.transformer, directory)
         self.training_mode = "lora"
+        self._eval_adapters()
+
+    def compute_in_bf16(self) -> None:
+        """Compute as FSDP2's bf16 ``MixedPrecisionPolicy`` does, without sharding.
+
+        For the stages that only run the model (rollout, evaluation) under
+        ``mixed_precision: bf16``: FSDP2 casts every parameter of each unit to bfloat16 for
+        compute (buffers stay as they are) and the floating inputs of each unit's forward, and
+        leaves the output in bfloat16. Doing the same here gives the velocities that training
+        recomputes, so the on-policy ratio is 1. Irreversible: the float32 weights are gone.
+        """
+        from torch.utils._pytree import tree_map_only
+
+        def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return tree_map_only(
+                torch.Tensor,
+                lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t,
+                (args, kwargs),
+            )
+
+        for param in self.transformer.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        for unit in {*self.fsdp_units(), self.transformer}:
+            unit.register_forward_pre_hook(cast_inputs, with_kwargs=True)
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         """Recompute each transformer block's activations in backward (memory for compute)."""

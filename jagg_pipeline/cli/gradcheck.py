@@ -93,6 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=defaults.no_interp,
         help="no_interp variant: drop interior signals, or hand each to the nearer endpoint",
     )
+    p.add_argument(
+        "--endpoint-backward",
+        choices=("joint", "sequential"),
+        default=defaults.endpoint_backward,
+        help="one backward call per window over both endpoints, or one per endpoint (the "
+        "same gradient)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed for model and data")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument(
@@ -122,6 +129,7 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
         shift=args.shift,
         weights=args.weights,
         no_interp=args.no_interp,
+        endpoint_backward=args.endpoint_backward,
         seed=args.seed,
     )
     report = run_gradcheck(settings)

@@ -45,7 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="a rollout directory (from `rollout`)",
     )
-    p.add_argument("--device", default="cpu", help="torch device for the models (default: cpu)")
+    p.add_argument(
+        "--device",
+        help="torch device of the reward models (default: the config's rewards.device, else "
+        "backbone.device)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,

@@ -25,8 +25,8 @@ rule bench_update:
     resources:
         mem_mb=8000,
         runtime=120,
-        gpu=bench_gpus(),
-        cpus_per_task=2,
+        gpu=bench_gpus,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         device=bench_device(),

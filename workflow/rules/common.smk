@@ -2,7 +2,9 @@
 #
 # Every job parses this file again, so it imports only the torch-free part of the package
 # (jagg_pipeline.experiments and jagg_pipeline.config).
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -175,20 +177,139 @@ def evaluate_policy(wildcards):
     return _policy(run_of(wildcards), int(wildcards.trained))
 
 
-def gpus(wildcards):
-    """GPUs a job of the run asks for: one per training process on CUDA, none on CPU."""
+# Devices and GPUs. Every model-running rule passes its device on the command line (so a dry
+# run shows it) and asks for a GPU exactly when that device is CUDA.
+GPU_ENV = "JAGG_GPUS"
+
+
+def _machine_gpus():
+    """This machine's usable GPUs and where the count came from: $JAGG_GPUS, else the
+    CUDA_VISIBLE_DEVICES list (CUDA stops at its first negative entry), else `nvidia-smi -L`.
+    """
+    if GPU_ENV in os.environ:
+        value = os.environ[GPU_ENV].strip()
+        if not value.isdigit():
+            raise ValueError(
+                f"{GPU_ENV}={value!r}: give the number of GPUs this machine may use, "
+                f"e.g. {GPU_ENV}=1"
+            )
+        return int(value), GPU_ENV
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            if not entry.strip() or entry.strip().startswith("-"):
+                break
+            count += 1
+        return count, "CUDA_VISIBLE_DEVICES"
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0, "no nvidia-smi"
+    if listing.returncode != 0:
+        return 0, "nvidia-smi -L failed"
+    return (
+        sum(line.startswith("GPU ") for line in listing.stdout.splitlines()),
+        "nvidia-smi -L",
+    )
+
+
+def _gpu_limit():
+    """The GPUs that jobs share when Snakemake schedules them on this machine, else None.
+
+    Snakemake quietly caps a job's request at the global `gpu` resource (gpu: 0 would start
+    a GPU job with none), so the workflow sets that resource to the machine's count itself
+    and refuses bigger requests (:func:`_gpus`). `--resources gpu=N` wins. With
+    --jobs (a cluster executor such as the slurm profile) each job's GPUs come from the cluster
+    scheduler; inside a job's own process they were granted already.
+    """
+    if not workflow.is_main_process:
+        return None
+    given = workflow.global_resources.get("gpu").value
+    if given is not None:
+        return given, "--resources gpu"
+    if workflow.nodes is not None:
+        return None
+    count, source = _machine_gpus()
+    workflow.register_resource("gpu", count)
+    return count, source
+
+
+GPU_LIMIT = _gpu_limit()
+
+
+def _on_cuda(device):
+    return device.split(":")[0] == "cuda"
+
+
+def _gpus(job, count, why):
+    """``count`` GPUs for ``job``, refused when the local machine has fewer."""
+    if GPU_LIMIT is not None and count > GPU_LIMIT[0]:
+        limit, source = GPU_LIMIT
+        raise ValueError(
+            f"{job} needs {count} GPU(s) ({why}) but this machine offers {limit} ({source}); "
+            f"if it has more, set {GPU_ENV}=N (or --resources gpu=N), else use a cpu device, "
+            "fewer train.nproc, or a cluster (--profile workflow/profiles/slurm)"
+        )
+    return count
+
+
+def backbone_device(wildcards):
+    """backbone.device of the job's run: the policy's device in rollout, train, evaluate."""
+    return run_of(wildcards).config.backbone.device
+
+
+def reward_device(wildcards):
+    """The device of the run's reward models: rewards.device, else backbone.device."""
     config = run_of(wildcards).config
-    return config.train.nproc if config.backbone.device.startswith("cuda") else 0
+    return config.rewards.resolve_device(config.backbone.device)
+
+
+def _one_gpu_on(device_of, what):
+    """GPUs of a one-process job whose models run on ``device_of(wildcards)``."""
+
+    def gpus(wildcards):
+        device = device_of(wildcards)
+        return _gpus(
+            run_of(wildcards).run_id, int(_on_cuda(device)), f"{what} {device}"
+        )
+
+    gpus.__name__ = f"{device_of.__name__}_gpus"
+    return gpus
+
+
+rollout_gpus = _one_gpu_on(backbone_device, "backbone.device")
+score_gpus = _one_gpu_on(
+    reward_device, "reward models (rewards.device, else backbone.device) on"
+)
+
+
+def evaluate_gpus(wildcards):
+    """One GPU, shared, when the policy or the reward models run on CUDA."""
+    policy, rewards = backbone_device(wildcards), reward_device(wildcards)
+    count = int(_on_cuda(policy) or _on_cuda(rewards))
+    why = f"backbone.device {policy}, reward models on {rewards}"
+    return _gpus(run_of(wildcards).run_id, count, why)
 
 
 def train_gpus(wildcards):
-    """GPUs of a training job (one per process under torchrun)."""
-    return gpus(wildcards)
+    """One GPU per training process (train.nproc) when the policy runs on CUDA."""
+    config = run_of(wildcards).config
+    count = config.train.nproc if _on_cuda(config.backbone.device) else 0
+    why = f"backbone.device {config.backbone.device}, train.nproc {config.train.nproc}"
+    return _gpus(run_of(wildcards).run_id, count, why)
 
 
-def stage_gpus(wildcards):
-    """GPUs of a sampling or scoring job: one at most."""
-    return min(1, gpus(wildcards))
+def train_threads(wildcards):
+    """One core per training process."""
+    return run_of(wildcards).config.train.nproc
+
+
+def task_cpus(wildcards, threads):
+    """A job's cpus_per_task (sbatch --cpus-per-task): its threads."""
+    return threads
 
 
 def run_outputs(run):
@@ -261,6 +382,7 @@ def bench_device():
     return (config.get("backbone") or {}).get("device", "cpu")
 
 
-def bench_gpus():
+def bench_gpus(wildcards):
     """One GPU for a CUDA benchmark."""
-    return 1 if bench_device().startswith("cuda") else 0
+    device = bench_device()
+    return _gpus("bench", int(_on_cuda(device)), f"backbone.device {device}")

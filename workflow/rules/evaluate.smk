@@ -18,13 +18,15 @@ rule evaluate:
     resources:
         mem_mb=8000,
         runtime=60,
-        gpu=stage_gpus,
-        cpus_per_task=1,
+        gpu=evaluate_gpus,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         config=run_config_file,
         policy=evaluate_policy,
+        device=backbone_device,
         digest=evaluate_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline evaluate --config {params.config}"
-        " --policy {params.policy} --out {output.metrics} > {log} 2>&1"
+        " --set backbone.device={params.device} --policy {params.policy}"
+        " --out {output.metrics} > {log} 2>&1"

@@ -20,14 +20,15 @@ rule rollout:
     resources:
         mem_mb=8000,
         runtime=60,
-        gpu=stage_gpus,
-        cpus_per_task=1,
+        gpu=rollout_gpus,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         config=run_config_file,
         policy=rollout_policy,
+        device=backbone_device,
         digest=rollout_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline rollout --config {params.config}"
-        " --policy {params.policy} --round {wildcards.round}"
+        " --set backbone.device={params.device} --policy {params.policy} --round {wildcards.round}"
         " --out {output} > {log} 2>&1"

@@ -20,12 +20,13 @@ rule score:
     resources:
         mem_mb=8000,
         runtime=30,
-        gpu=stage_gpus,
-        cpus_per_task=1,
+        gpu=score_gpus,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         config=run_config_file,
+        device=reward_device,
         digest=score_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline score --config {params.config}"
-        " --rollouts {input.rollouts} --out {output} > {log} 2>&1"
+        " --rollouts {input.rollouts} --device {params.device} --out {output} > {log} 2>&1"

@@ -38,7 +38,7 @@ rule summary:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         runs=summary_arguments,

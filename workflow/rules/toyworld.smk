@@ -18,7 +18,7 @@ rule toyworld_clip:
         mem_mb=4000,
         runtime=30,
         gpu=0,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         root=parent_folder,
@@ -54,7 +54,7 @@ rule toyworld_backbone:
         mem_mb=4000,
         runtime=60,
         gpu=0,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         root=parent_folder,

@@ -20,7 +20,7 @@ rule track:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         runs=summary_arguments,
@@ -65,7 +65,7 @@ rule compare:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         python=PYTHON,
         runs=summary_arguments,

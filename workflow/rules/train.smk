@@ -14,18 +14,21 @@ rule train:
         "../../envs/pipeline.yaml"
     container:
         CONTAINERS.pipeline
-    threads: 1
+    # One core per process (torchrun starts train.nproc of them), each on one OpenMP thread.
+    threads: train_threads
     resources:
         mem_mb=16000,
         runtime=120,
         gpu=train_gpus,
-        cpus_per_task=1,
+        cpus_per_task=task_cpus,
     params:
         config=run_config_file,
         policy=rollout_policy,
+        device=backbone_device,
         launcher=train_launcher,
         digest=train_digest,
     shell:
-        "OMP_NUM_THREADS={threads} {params.launcher} -m jagg_pipeline train"
-        " --config {params.config} --policy {params.policy} --rollouts {input.rollouts}"
-        " --rewards {input.scores} --out {output} > {log} 2>&1"
+        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
+        " --config {params.config} --set backbone.device={params.device}"
+        " --policy {params.policy} --rollouts {input.rollouts} --rewards {input.scores}"
+        " --out {output} > {log} 2>&1"
