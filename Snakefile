@@ -19,6 +19,7 @@ include: "workflow/rules/common.smk"
 validate(config, "workflow/schemas/config.schema.json")
 
 
+include: "workflow/rules/runs.smk"
 include: "workflow/rules/toyworld.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/score.smk"
@@ -30,52 +31,10 @@ include: "workflow/rules/bench.smk"
 
 
 localrules:
-    all,
-    compare_modes,
-    ablation_no_interp,
-    sweep_jagg_frac,
-    sweep_window,
-    sweep_backbone,
     bench,
     report,
     track,
     compare,
-
-
-rule all:
-    """The default: exact vs JAGG vs the no-interpolation ablation, a few rounds."""
-    input:
-        experiment_target("all"),
-
-
-rule compare_modes:
-    """The same three modes at the RL testbed's length, 3 seeds."""
-    input:
-        experiment_target("compare_modes"),
-
-
-rule ablation_no_interp:
-    """JAGG against its no-interpolation ablations (drop, nearest)."""
-    input:
-        experiment_target("ablation_no_interp"),
-
-
-rule sweep_jagg_frac:
-    """The fraction of windows routed to JAGG, 0 (exact) to 1."""
-    input:
-        experiment_target("sweep_jagg_frac"),
-
-
-rule sweep_window:
-    """The JAGG window W."""
-    input:
-        experiment_target("sweep_window"),
-
-
-rule sweep_backbone:
-    """JAGG on each toy backbone family."""
-    input:
-        experiment_target("sweep_backbone"),
 
 
 rule bench:
@@ -89,3 +48,22 @@ rule report:
     (results/report/<experiment>/index.html)."""
     input:
         report_inputs,
+
+
+# One target rule per experiment and evaluation of the config, named as it is: `snakemake
+# NAME` runs it (tracked, after its summary). `all` is the default target when it exists.
+for _name in [*WORKFLOW.experiments, *WORKFLOW.evaluations]:
+    if _name in {rule.name for rule in workflow.rules}:
+        raise ValueError(
+            f"workflow: the target {_name!r} is also a rule of the workflow "
+            f"({', '.join(sorted(rule.name for rule in workflow.rules))}); rename the "
+            "experiment or evaluation"
+        )
+
+    rule:
+        name:
+            _name
+        default_target: _name == "all"
+        input:
+            experiment_target(_name),
+        localrule: True

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jagg_pipeline.artifacts import atomic_output, atomic_write_text
-from jagg_pipeline.summary import UPDATE_PARTS, RunMetrics, plot, summarise, table
+from jagg_pipeline.summary import UPDATE_PARTS, RunMetrics, integer_ticks, plot, summarise, table
 
 PROBE = re.compile(r"^probe\.(\d+)\.(jagg|no_interp)\.cos_sim$")
 REFERENCE = "exact"
@@ -63,25 +63,50 @@ def update_seconds(runs: Sequence[RunMetrics]) -> dict[str, dict[int, float]]:
     }
 
 
-def plot_speed(seconds: Mapping[str, Mapping[int, float]], path: Path, title: str = "") -> Path:
-    """Update seconds per round, and each variant's speed-up over ``exact`` (mean over rounds)."""
+def exact_twins(runs: Sequence[RunMetrics]) -> dict[str, str | None]:
+    """Per variant, the exact variant it is compared with (None: there is none).
+
+    The one whose runs compute their gradients exactly and are otherwise set up alike (the
+    same :attr:`RunMetrics.setting`), such as ``flux_exact`` for ``flux_jagg`` in a backbone
+    x mode cross.
+    """
+    exact = {run.setting: run.variant for run in runs if run.mode == "exact" and run.setting}
+    return {run.variant: exact.get(run.setting) if run.setting else None for run in runs}
+
+
+def plot_speed(
+    seconds: Mapping[str, Mapping[int, float]],
+    path: Path,
+    title: str = "",
+    twins: Mapping[str, str | None] | None = None,
+) -> Path:
+    """Update seconds per round, and each variant's speed-up over its exact twin.
+
+    The speed-up is of the mean over rounds; ``twins`` from :func:`exact_twins` (default: the
+    variant named ``exact``).
+    """
     plt = _pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
     for variant, rounds in seconds.items():
         left.plot(list(rounds), list(rounds.values()), marker="o", markersize=3, label=variant)
     left.set(title="update stage per round", xlabel="round", ylabel="seconds")
+    integer_ticks(left)
     left.grid(alpha=0.3)
     left.legend()
     means = {v: statistics.fmean(r.values()) for v, r in seconds.items() if r}
-    if REFERENCE in means:
-        names = list(means)
-        speedups = [means[REFERENCE] / means[v] for v in names]
+    if twins is None:
+        twins = {v: REFERENCE if REFERENCE in means else None for v in means}
+    paired = {v: twins.get(v) for v in means if twins.get(v) in means}
+    if paired:
+        names = list(paired)
+        speedups = [means[paired[v]] / means[v] for v in names]
         bars = right.bar(names, speedups, color="tab:green")
         right.bar_label(bars, fmt="%.2fx")
         right.axhline(1.0, color="grey", linewidth=1)
-        right.set(title=f"speed-up of the update stage vs {REFERENCE}", ylabel="x")
+        right.set(title="speed-up of the update stage vs its exact variant", ylabel="x")
+        right.tick_params(axis="x", labelrotation=30 if len(names) > 4 else 0)
     else:
-        right.text(0.5, 0.5, f"no '{REFERENCE}' variant to compare with", ha="center")
+        right.text(0.5, 0.5, "no exact variant set up alike to compare with", ha="center")
         right.set_axis_off()
     if title:
         figure.suptitle(title)
@@ -149,7 +174,9 @@ def plot_cos_sims(
     return _save(figure, path)
 
 
-def _html(title: str, source: str, markdown: str, images: Mapping[str, str]) -> str:
+def _html(
+    title: str, source: str, markdown: str, images: Mapping[str, str], several: bool = True
+) -> str:
     rows = [line for line in markdown.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
     head, body = (cells[0], cells[2:]) if cells else ([], [])
@@ -157,6 +184,11 @@ def _html(title: str, source: str, markdown: str, images: Mapping[str, str]) -> 
     for row in body:
         table_html += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n"
     table_html += "</table>"
+    spread = (
+        "Mean +- std over seeds."
+        if several
+        else "One seed per variant (n=1): values alone, no spread."
+    )
     figures = "\n".join(
         f'<figure><img src="{name}" alt="{html.escape(caption)}">'
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"
@@ -167,7 +199,7 @@ def _html(title: str, source: str, markdown: str, images: Mapping[str, str]) -> 
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px}}img{{max-width:100%}}</style></head>
 <body><h1>{html.escape(title)}</h1>
-<p>Runs read from {html.escape(source)}. Mean +- std over seeds.</p>
+<p>Runs read from {html.escape(source)}. {spread}</p>
 {table_html}
 {figures}
 </body></html>
@@ -183,13 +215,17 @@ def write_comparison(
     summary = summarise(runs)
     markdown = table(summary)
     atomic_write_text(out / "table.md", f"## {title}\n\n{markdown}")
-    images = {"curves.png": "held-out metrics and rollout reward vs round (seed bands)"}
+    several = any(len(s["seeds"]) > 1 for s in summary.values())
+    bands = "seed bands" if several else "one seed, n=1"
+    images = {"curves.png": f"held-out metrics and rollout reward vs round ({bands})"}
     plot(summary, out / "curves.png", title)
-    plot_speed(update_seconds(runs), out / "speed.png", title)
-    images["speed.png"] = "update-stage seconds per round and speed-up vs exact"
+    plot_speed(update_seconds(runs), out / "speed.png", title, exact_twins(runs))
+    images["speed.png"] = (
+        "update-stage seconds per round and speed-up vs the exact variant set up alike"
+    )
     plot_cos_sims(cos_sims(runs), out / "cos_sim.png", title)
     images["cos_sim.png"] = (
         "per-window cos-sim of each variant's approximation with the exact gradient vs round"
     )
-    atomic_write_text(out / "index.html", _html(title, source, markdown, images))
+    atomic_write_text(out / "index.html", _html(title, source, markdown, images, several))
     return summary

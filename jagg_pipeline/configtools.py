@@ -271,6 +271,88 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
 
 
+def duplicate_keys(path: str | Path) -> list[str]:
+    """Every key given twice in one mapping of YAML file ``path``, one line each.
+
+    ``<path>: <dotted.key>: duplicate key (lines a and b): ...``. :func:`read_yaml` stops at the
+    first; this finds them all (for reporting every problem of a file at once). A file that is
+    not valid YAML has none (:func:`read_yaml` reports it).
+    """
+    try:
+        with open(path) as stream:
+            root = yaml.compose(stream, Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return []
+    found: list[str] = []
+
+    def walk(node: yaml.Node | None, where: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, Any], int] = {}
+            for key_node, value_node in node.value:
+                name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                key = f"{where}.{name}" if where else name
+                ident = (
+                    key_node.tag,
+                    key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node),
+                )
+                line = key_node.start_mark.line + 1
+                if ident in seen:
+                    found.append(
+                        f"{path}: {key}: duplicate key (lines {seen[ident]} and {line}): the last "
+                        "one would silently win"
+                    )
+                else:
+                    seen[ident] = line
+                walk(value_node, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, f"{where}[{index}]")
+
+    walk(root, "")
+    return found
+
+
+def schema_errors(schema: Mapping[str, Any], data: Any) -> list[tuple[str, str]]:
+    """Every way ``data`` breaks JSON Schema ``schema`` (draft 2020-12), as (dotted key, message).
+
+    All of them, sorted by key; an unknown key is named itself (not its parent), as
+    :func:`from_dict` names it. Needs ``jsonschema`` (a dependency of Snakemake).
+    """
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    problems = []
+    for error in validator.iter_errors(data):
+        parts = list(error.absolute_path)
+        where = _dotted_path(parts)
+        if error.validator == "additionalProperties" and isinstance(error.instance, Mapping):
+            known = list(error.schema.get("properties", {}))
+            for extra in sorted(set(map(str, error.instance)) - set(known)):
+                key = f"{where}.{extra}" if where else extra
+                problems.append((key, f"unknown key; known keys here: {', '.join(known)}"))
+            continue
+        problems.append((where or "(top level)", _schema_message(error)))
+    return sorted(set(problems), key=lambda problem: problem[0])
+
+
+def _schema_message(error: Any) -> str:
+    """A jsonschema error's message, in :func:`from_dict`'s words where they are clearer."""
+    if error.validator == "pattern" and error.validator_value == NUMBER_PATTERN:
+        return f"expected a number, got {error.instance!r}"
+    if error.validator == "anyOf" and error.context:
+        options = dict.fromkeys(_schema_message(sub) for sub in error.context)
+        return f"{error.instance!r} fits none of: {'; '.join(options)}"
+    return error.message
+
+
+def _dotted_path(parts: Sequence[Any]) -> str:
+    """``a.b[0].c`` of a JSON Schema error path."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
 def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
     """Read ``path`` strictly into ``cls``, after applying ``key.sub=value`` overrides.
 
@@ -280,7 +362,14 @@ def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> 
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    config = from_dict(cls, data, source=str(path))
+    return load_data(cls, data, str(path), overrides)
+
+
+def load_data(
+    cls: type[T], data: Mapping[str, Any], source: str, overrides: Sequence[str] = ()
+) -> T:
+    """:func:`load_yaml` of data already read from ``source`` (errors name it, or the override)."""
+    config = from_dict(cls, data, source=source)
     for count, item in enumerate(overrides, start=1):
         try:
             config = from_dict(cls, apply_overrides(data, overrides[:count]))

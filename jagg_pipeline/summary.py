@@ -6,9 +6,10 @@ Reads only finished stage folders of the run layout (:mod:`jagg_pipeline.experim
 ``eval/trained-<n>/`` (held-out metrics after n rounds: ``metrics.jsonl``, ``metrics.json``). Writes
 ``metrics.jsonl`` (every line of every run, tagged with experiment, variant and seed: the table
 the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: evaluation base
--> final, rise, training reward, update-stage seconds per round) and ``curves.png`` (evaluation
-metrics and training reward vs round, seed bands) and ``grids/`` (the evaluation grids of the
-base policy and the final checkpoint of every run). Torch-free.
+-> final, rise, training reward, update-stage seconds per round; a variant of one seed shows
+its values alone) and ``curves.png`` (evaluation metrics and training reward vs round, seed
+bands; integer round ticks) and ``grids/`` (the evaluation grids of the base policy and the
+final checkpoint of every run). Torch-free.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from jagg_pipeline.artifacts import METRICS_NAME, atomic_output, atomic_write_text
+from jagg_pipeline.configtools import digest
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
 
@@ -39,6 +41,9 @@ class RunMetrics:
     grids: dict[int, Path] = field(default_factory=dict)
     # The run's jagg.mode ("" when unknown): which approximation its probes are read for.
     mode: str = ""
+    # Digest of its config but the gradient engine and the seeds (:func:`setting_digest`):
+    # runs with equal settings differ only in how their gradients are computed.
+    setting: str = ""
 
     def stage(self, name: str) -> list[dict[str, Any]]:
         """The metric lines of stage ``name`` in round order."""
@@ -49,6 +54,15 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def setting_digest(config: Mapping[str, Any]) -> str:
+    """The digest of a resolved config without its ``jagg`` section and its seeds."""
+    rest = {key: value for key, value in config.items() if key != "jagg"}
+    for section in ("train", "eval"):
+        if isinstance(rest.get(section), Mapping):
+            rest[section] = {k: v for k, v in rest[section].items() if k != "seed"}
+    return digest(rest)
+
+
 def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     """The metrics of the run in ``directory`` (every round and evaluation found there)."""
     directory = Path(directory)
@@ -56,6 +70,7 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     if (directory / "config.yaml").is_file():
         config = yaml.safe_load((directory / "config.yaml").read_text()) or {}
         run.mode = str((config.get("jagg") or {}).get("mode", ""))
+        run.setting = setting_digest(config)
     for round_dir in sorted(directory.glob("round-*")):
         for stage in ("rollout", "scores", "checkpoint"):
             path = round_dir / stage / METRICS_NAME
@@ -74,6 +89,22 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def mean_pm_std(mean: float, std: float, seeds: int, spec: str = ".3f") -> str:
+    """``mean +- std`` of ``seeds`` values in format ``spec``; one seed: the value alone.
+
+    A single seed has no spread to report: ``+- 0.000`` would read as a measured zero.
+    """
+    text = format(mean, spec)
+    return text if seeds < 2 else f"{text} +- {std:{spec.lstrip('+')}}"
+
+
+def integer_ticks(axis: Any) -> None:
+    """Tick the x axis of matplotlib ``axis`` at whole numbers only (its unit is rounds)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _update_seconds(run: RunMetrics) -> dict[str, float]:
@@ -131,8 +162,15 @@ def summarise(runs: Sequence[RunMetrics]) -> dict[str, Any]:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-    """A markdown table: one row per variant, evaluation metrics base -> final, rise, timing."""
+    """A markdown table: one row per variant, evaluation metrics base -> final, rise, timing.
+
+    Final and rise are mean +- std over the variant's seeds (the ``seeds`` column); a variant
+    of one seed shows its values without a +-. Evaluation runs (no training: one evaluation
+    each) get one column per metric instead.
+    """
     metrics = sorted({m for s in summary.values() for m in s["final"]})
+    if not any(s["train_reward"] or len(s["evaluated_rounds"]) > 1 for s in summary.values()):
+        return _evaluation_table(summary, metrics)
     head = ["variant", "seeds", *(f"{m}: base -> final (rise)" for m in metrics)]
     head += ["train reward: first -> last round", "update s/round (fwd + bwd + opt)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -144,8 +182,10 @@ def table(summary: Mapping[str, Any]) -> str:
                 continue
             (base, _), (final, final_std) = s["base"][m], s["final"][m]
             rise, rise_std = s["rise"][m]
+            seeds = len(s["seeds"])
             cells.append(
-                f"{base:.3f} -> {final:.3f} +- {final_std:.3f} ({rise:+.3f} +- {rise_std:.3f})"
+                f"{base:.3f} -> {mean_pm_std(final, final_std, seeds)} "
+                f"({mean_pm_std(rise, rise_std, seeds, '+.3f')})"
             )
         rewards = s["train_reward"]
         cells.append(f"{rewards[0][0]:.3f} -> {rewards[-1][0]:.3f}" if rewards else "-")
@@ -158,8 +198,23 @@ def table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _evaluation_table(summary: Mapping[str, Any], metrics: Sequence[str]) -> str:
+    """One row per evaluated variant: each metric's mean (+- std over seeds)."""
+    lines = ["| " + " | ".join(["variant", "seeds", *metrics]) + " |"]
+    lines.append("|" + "---|" * (len(metrics) + 2))
+    for variant, s in summary.items():
+        seeds = len(s["seeds"])
+        cells = [mean_pm_std(*s["final"][m], seeds) if m in s["final"] else "-" for m in metrics]
+        lines.append("| " + " | ".join([variant, str(seeds), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
-    """One panel per evaluation metric plus the training reward, vs round, with seed bands."""
+    """One panel per evaluation metric plus the training reward, vs round, with seed bands.
+
+    Rounds are ticked at whole numbers. A variant of one seed has no band; when no variant
+    has more than one, the legend says n=1 instead of mean +- std.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,8 +222,14 @@ def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
 
     metrics = sorted({m for s in summary.values() for m in s["curves"]})
     panels = [*metrics, "train reward"]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), dpi=100)
+    figure, grid = plt.subplots(
+        1, len(panels), figsize=(4.5 * len(panels), 3.6), dpi=100, squeeze=False
+    )
+    axes = list(grid[0])
+    several = any(len(s["seeds"]) > 1 for s in summary.values())
     for variant, s in summary.items():
+        single = len(s["seeds"]) < 2
+        label = f"{variant} (n=1)" if single and several else variant
         for axis, panel in zip(axes, panels, strict=True):
             if panel == "train reward":
                 xs, points = s["reward_rounds"], s["train_reward"]
@@ -177,15 +238,18 @@ def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
             if not points:
                 continue
             mean = [p[0] for p in points]
-            (line,) = axis.plot(xs, mean, marker="o", markersize=3, label=variant)
+            (line,) = axis.plot(xs, mean, marker="o", markersize=3, label=label)
+            if single:
+                continue
             low = [p[0] - p[1] for p in points]
             high = [p[0] + p[1] for p in points]
             axis.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
     for axis, panel in zip(axes, panels, strict=True):
         axis.set_title(f"held-out {panel}" if panel != "train reward" else "rollout reward")
         axis.set_xlabel("rounds trained" if panel != "train reward" else "round")
+        integer_ticks(axis)
         axis.grid(alpha=0.3)
-    axes[0].legend(title="mean +- std over seeds")
+    axes[0].legend(title="mean +- std over seeds" if several else "one seed each (n=1)")
     if title:
         figure.suptitle(title)
     figure.tight_layout()

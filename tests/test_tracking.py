@@ -183,13 +183,15 @@ def test_compare_reads_mlflow_back_and_its_html_images_load(reduced_all, tmp_pat
     )
     assert "runs from MLflow" in printed
     # The same comparison as the files give (the summary rule's table).
-    assert (out / "table.md").read_text() == (
-        reduced_all / "results/all/summary/table.md"
-    ).read_text()
+    table = (out / "table.md").read_text()
+    assert table == (reduced_all / "results/all/summary/table.md").read_text()
+    # One seed per variant: values alone, no "+- 0.000".
+    assert "| exact | 1 |" in table and "+-" not in table, table
     images = ["curves.png", "speed.png", "cos_sim.png"]
     for name in images:
         assert (out / name).stat().st_size > 10_000
     page = (out / "index.html").read_text()
+    assert "n=1" in page
     assert all(f'src="{name}"' in page for name in images)
     if CHROMIUM is None:
         if os.environ.get("CI", "").lower() == "true":

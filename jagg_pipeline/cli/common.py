@@ -8,7 +8,7 @@ runs), and turning bad input into a one-line ``error: <message>`` exit.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True)
         type=Path,
         required=required,
         metavar="FILE",
-        help="experiment config (YAML); unknown keys are errors; the resolved config is "
-        "written next to the outputs",
+        help="experiment config (YAML), or the workflow's config.yaml (its base sections are "
+        "used); unknown keys are errors; the resolved config is written next to the outputs",
     )
     parser.add_argument(
         "--set",
@@ -65,12 +65,38 @@ def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
     return runs
 
 
-def load_stage_config(path: Path, overrides: list[str]) -> Any:
-    """The experiment config of a stage command (errors become ``error:`` exits)."""
-    from jagg_pipeline.config import load_config
+def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
+    """The experiment config in ``path`` after ``--set`` overrides; every command reads it here.
 
+    ``path`` is an experiment config (the package's sections) or the workflow's config.yaml:
+    a file with a top-level ``workflow`` section has that section checked (unknown keys and
+    wrong types are errors, as everywhere) and then set aside, and the rest, the base
+    experiment, is the config. ``--set`` overrides apply to the base experiment. Raises
+    :class:`~jagg_pipeline.configtools.ConfigError` naming the file (or the override) and the
+    dotted key.
+    """
+    from jagg_pipeline.config import ExperimentConfig
+    from jagg_pipeline.configtools import ConfigError, load_data, read_yaml
+    from jagg_pipeline.experiments import WORKFLOW_KEY, split
+
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    if WORKFLOW_KEY in data:
+        try:
+            data, _ = split(data)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    return load_data(ExperimentConfig, data, str(path), overrides)
+
+
+def load_stage_config(path: Path, overrides: list[str]) -> Any:
+    """The experiment config of a stage command (errors become ``error:`` exits).
+
+    See :func:`read_experiment_config` (a workflow config.yaml gives its base experiment).
+    """
     with stage_errors():
-        return load_config(path, overrides)
+        return read_experiment_config(path, overrides)
 
 
 @contextmanager

@@ -107,6 +107,8 @@ class BatchedReward:
     ``score(images, prompts)`` receives a chunk already moved to ``device`` and returns one value
     per image; everything model-specific lives in that function, this class only applies the
     shared contract (input checks, chunking to bound memory, output dtype and device).
+    ``modules``: the networks ``score`` runs (none for model-free rewards), for whoever
+    reports what was loaded.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class BatchedReward:
         score: Callable[[torch.Tensor, Sequence[str]], torch.Tensor],
         device: torch.device,
         batch_size: int,
+        modules: Sequence[torch.nn.Module] = (),
     ) -> None:
         if batch_size < 1:
             raise RewardConfigError(
@@ -123,6 +126,7 @@ class BatchedReward:
         self.name = name
         self.device = device
         self.batch_size = batch_size
+        self.modules = tuple(modules)
         self._score = score
 
     @torch.no_grad()

@@ -37,4 +37,6 @@ def load(spec: ClipScoreSpec, device: torch.device, name: str = NAME) -> RewardF
     dtype = resolve_dtype(name, spec.dtype)
     processor = spec.processor if spec.processor is not None else spec.model
     clip = load_hf_clip(name, spec.model, processor, device, dtype)
-    return BatchedReward(name, partial(clipscore, clip), device, spec.batch_size)
+    return BatchedReward(
+        name, partial(clipscore, clip), device, spec.batch_size, modules=[clip.model]
+    )

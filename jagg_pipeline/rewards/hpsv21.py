@@ -164,6 +164,7 @@ def load_open_clip(spec: HPSv21Spec, device: torch.device) -> OpenClipScorer:
 
 def load(spec: HPSv21Spec, device: torch.device) -> RewardFn:
     """Load the HPSv2.1 scorer named by ``spec`` onto ``device``."""
+    scorer = load_open_clip(spec, device)
     return BatchedReward(
-        NAME, partial(hpsv21, load_open_clip(spec, device)), device, spec.batch_size
+        NAME, partial(hpsv21, scorer), device, spec.batch_size, modules=[scorer.model]
     )

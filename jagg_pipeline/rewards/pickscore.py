@@ -32,4 +32,6 @@ def load(spec: PickScoreSpec, device: torch.device) -> RewardFn:
     """Load the model and processor named by ``spec`` onto ``device``."""
     dtype = resolve_dtype(NAME, spec.dtype)
     clip = load_hf_clip(NAME, spec.model, spec.processor, device, dtype)
-    return BatchedReward(NAME, partial(pickscore, clip), device, spec.batch_size)
+    return BatchedReward(
+        NAME, partial(pickscore, clip), device, spec.batch_size, modules=[clip.model]
+    )

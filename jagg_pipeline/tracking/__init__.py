@@ -206,6 +206,7 @@ def run_record(
         "jagg_seed": str(seed),
         "jagg_overrides": json.dumps(overrides, sort_keys=True),
         "jagg_mode": metrics.mode,
+        "jagg_setting": metrics.setting,
         "jagg_version": __version__,
         "snakemake_target": snakemake_target or target,
     }
@@ -229,7 +230,11 @@ def run_record(
 def run_metrics(run: TrackedRun) -> RunMetrics:
     """A tracked run as :mod:`jagg_pipeline.summary` reads runs from their folders."""
     metrics = RunMetrics(
-        run.variant, run.seed, lines_from_points(run.metrics), mode=run.tags.get("jagg_mode", "")
+        run.variant,
+        run.seed,
+        lines_from_points(run.metrics),
+        mode=run.tags.get("jagg_mode", ""),
+        setting=run.tags.get("jagg_setting", ""),
     )
     for line in metrics.stage("evaluate"):
         metrics.evaluations[line["round"]] = {

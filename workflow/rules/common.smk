@@ -10,17 +10,28 @@ from pathlib import Path
 
 import yaml
 
+from jagg_pipeline.artifacts import atomic_write_text
 from jagg_pipeline.configtools import digest, read_yaml, to_dict
-from jagg_pipeline.experiments import (
-    evaluated_rounds,
-    resolve_runs,
-    split,
-    stage_digest,
-)
+from jagg_pipeline.experiments import merge, resolve_runs, split, stage_digest
 
-# Snakemake's YAML reader lets a repeated key silently win; the strict one names it.
-for _configfile in workflow.configfiles:
-    read_yaml(_configfile)
+
+def _own_config():
+    """The config the workflow runs: the user's --configfile(s) INSTEAD of config.yaml when
+    given (keys they leave out take the package's defaults), then --config values; layered
+    by experiments.merge, so a file's rewards.weights, variants or eval metrics are the ones
+    that run, never merged into config.yaml's. Snakemake would deep-merge them.
+
+    Read with the strict YAML reader, which names a repeated key (Snakemake's lets it win).
+    """
+    files = workflow.overwrite_configfiles or workflow.configfiles
+    data = {}
+    for path in files:
+        data = merge(data, read_yaml(path) or {})
+    return merge(data, dict(workflow.config_settings.config))
+
+
+config.clear()
+config.update(_own_config())
 RUNS = resolve_runs(config)
 WORKFLOW = split(config)[1]
 RESULTS = WORKFLOW.results
@@ -53,28 +64,25 @@ wildcard_constraints:
     family="|".join(TOY_FAMILIES),
 
 
-def _write_if_changed(path, text):
-    """Write a resolved config only when it changed, so its mtime means something."""
-    path = Path(path)
-    if path.is_file() and path.read_text() == text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text)
-    staging.replace(path)
+def _run_files(run):
+    """What the run_config job writes for a run: its resolved config (read by all of its jobs;
+    their params carry the section digests) and the overrides that made it (a tag of its
+    tracked run)."""
+    return {
+        "config": yaml.safe_dump(to_dict(run.config), sort_keys=False),
+        "overrides": yaml.safe_dump(run.overrides, sort_keys=True),
+    }
 
 
-# Each run's resolved config, read by all of its jobs (params carry the section digests), and
-# the overrides that made it (a tag of its tracked run).
-for _run in RUNS.values():
-    _write_if_changed(
-        f"{_run.directory}/config.yaml",
-        yaml.safe_dump(to_dict(_run.config), sort_keys=False),
-    )
-    _write_if_changed(
-        f"{_run.directory}/overrides.yaml",
-        yaml.safe_dump(_run.overrides, sort_keys=True),
-    )
+def run_files_digest(wildcards):
+    """The run_config job reruns when what it writes changes (and only then)."""
+    return digest(_run_files(run_of(wildcards)))
+
+
+def write_run_files(wildcards, output):
+    """The run_config job: the run's files, each written atomically."""
+    for name, text in _run_files(run_of(wildcards)).items():
+        atomic_write_text(output[name], text)
 
 
 def parent_folder(wildcards, output):
@@ -90,6 +98,12 @@ def run_of(wildcards):
 def run_config_file(wildcards):
     """The resolved config file of the job's run."""
     return f"{run_of(wildcards).directory}/config.yaml"
+
+
+def _with_config(inputs, run):
+    """A job's inputs plus its run's config file, ancient: a rewritten config reruns only the
+    jobs whose section digests (params) changed."""
+    return {**inputs, "config": ancient(f"{run.directory}/config.yaml")}
 
 
 def _digest_param(stage):
@@ -131,12 +145,19 @@ def _policy(run, trained):
 
 
 def rollout_inputs(wildcards):
-    """The policy being sampled (the previous round's checkpoint) and the toy world."""
+    """The policy being sampled (the previous round's checkpoint), the toy world, the config."""
     run = run_of(wildcards)
     inputs = _toyworld_inputs(run.config)
     if int(wildcards.round) > 0:
         inputs["policy"] = _policy(run, int(wildcards.round))
-    return inputs
+    return _with_config(inputs, run)
+
+
+def score_inputs(wildcards):
+    """The round's rollout and the run's config."""
+    run = run_of(wildcards)
+    rollouts = f"{run.directory}/round-{wildcards.round}/rollout"
+    return _with_config({"rollouts": rollouts}, run)
 
 
 def rollout_policy(wildcards):
@@ -163,18 +184,23 @@ def train_launcher(wildcards):
 
 
 def evaluate_inputs(wildcards):
-    """The policy after ``trained`` rounds (nothing but the toy world for the base)."""
+    """The policy after ``trained`` rounds or an evaluation's checkpoint (nothing but the toy
+    world for a base policy), and the config."""
     run = run_of(wildcards)
     inputs = _toyworld_inputs(run.config)
-    trained = int(wildcards.trained)
-    if trained > 0:
-        inputs["policy"] = _policy(run, trained)
-    return inputs
+    policy = evaluate_policy(wildcards)
+    if policy != "base":
+        inputs["policy"] = policy
+    return _with_config(inputs, run)
 
 
 def evaluate_policy(wildcards):
-    """The --policy argument of an evaluation."""
-    return _policy(run_of(wildcards), int(wildcards.trained))
+    """The --policy of an evaluation: an evaluation run's, else the run's after ``trained``
+    rounds."""
+    run = run_of(wildcards)
+    if run.policy is not None:
+        return run.policy
+    return _policy(run, int(wildcards.trained))
 
 
 # Devices and GPUs. Every model-running rule passes its device on the command line (so a dry
@@ -313,15 +339,14 @@ def task_cpus(wildcards, threads):
 
 
 def run_outputs(run):
-    """What a finished run leaves: every evaluation (its last checkpoint is their input)."""
-    last = run.config.train.rounds - 1
-    return [
-        checkpoint_dir(run, last),
-        *(
-            f"{run.directory}/eval/trained-{n:04d}"
-            for n in evaluated_rounds(run.config)
-        ),
+    """What a finished run leaves: every evaluation (and a training run's last checkpoint,
+    their input)."""
+    evaluations = [
+        f"{run.directory}/eval/trained-{n:04d}" for n in run.evaluated_rounds
     ]
+    if run.policy is not None:
+        return evaluations
+    return [checkpoint_dir(run, run.config.train.rounds - 1), *evaluations]
 
 
 def _runs(experiment):

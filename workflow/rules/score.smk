@@ -3,7 +3,7 @@
 
 rule score:
     input:
-        rollouts=f"{RUN}/round-{{round}}/rollout",
+        unpack(score_inputs),
     output:
         directory(f"{RUN}/round-{{round}}/scores"),
     log:
