@@ -19,7 +19,10 @@ include: "workflow/rules/common.smk"
 validate(config, "workflow/schemas/config.schema.json")
 
 
-include: "workflow/rules/runs.smk"
+onstart:
+    write_run_files(workflow.dag)
+
+
 include: "workflow/rules/toyworld.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/score.smk"

@@ -49,7 +49,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # no target may be named so.
 RESERVED_FOLDERS: tuple[str, ...] = ("toyworld", "report", "bench", "logs", "benchmarks")
 WORKFLOW_RULES: tuple[str, ...] = (
-    "run_config",
     "toyworld_clip",
     "toyworld_backbone",
     "rollout",

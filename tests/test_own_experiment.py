@@ -67,25 +67,18 @@ def test_a_set_named_by_a_later_layer_replaces_the_earlier_one():
     assert run.config.rewards.weights == {"jpeg_compressibility": 1.0}
 
 
-def test_cross_groups_make_a_variant_per_combination():
-    data = {
-        "workflow": {
-            "experiments": {
-                "swap": {
-                    "variants": {"base": {}},
-                    "cross": {
-                        "backbone": {
-                            "sd3": {},
-                            "flux": {"backbone": {"family": "flux", "path": "p/flux"}},
-                        },
-                        "mode": {"exact": {"jagg": {"mode": "exact"}}, "jagg": {}},
-                    },
-                    "sweep": {"key": "jagg.window", "values": [2, 4]},
-                }
-            }
-        }
+def _swap(**experiment) -> dict:
+    """A workflow config with a backbone x mode cross named ``swap`` (``experiment`` added)."""
+    cross = {
+        "backbone": {"sd3": {}, "flux": {"backbone": {"family": "flux", "path": "p/flux"}}},
+        "mode": {"exact": {"jagg": {"mode": "exact"}}, "jagg": {}},
     }
-    runs = resolve_runs(data)
+    swap = {"variants": {"base": {}}, "cross": cross, **experiment}
+    return {"workflow": {"experiments": {"swap": swap}}}
+
+
+def test_cross_groups_make_a_variant_per_combination():
+    runs = resolve_runs(_swap(sweep={"key": "jagg.window", "values": [2, 4]}))
     variants = sorted(run.variant for run in runs.values())
     assert variants == sorted(
         f"{b}_{m}_window-{w}" for b in ("sd3", "flux") for m in ("exact", "jagg") for w in (2, 4)
@@ -232,22 +225,8 @@ def test_the_comparison_pairs_each_variant_with_the_exact_variant_set_up_alike(t
     from jagg_pipeline.configtools import to_dict
     from jagg_pipeline.summary import read_run
 
-    data = {
-        "workflow": {
-            "experiments": {
-                "swap": {
-                    "variants": {"base": {}},
-                    "cross": {
-                        "backbone": {"sd3": {}, "flux": {"backbone": {"family": "flux"}}},
-                        "mode": {"exact": {"jagg": {"mode": "exact"}}, "jagg": {}},
-                    },
-                    "seeds": [0, 1],
-                }
-            }
-        }
-    }
     runs = []
-    for run in resolve_runs(data).values():
+    for run in resolve_runs(_swap(seeds=[0, 1])).values():
         folder = tmp_path / run.run_id
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(to_dict(run.config)))

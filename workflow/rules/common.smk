@@ -65,24 +65,29 @@ wildcard_constraints:
 
 
 def _run_files(run):
-    """What the run_config job writes for a run: its resolved config (read by all of its jobs;
-    their params carry the section digests) and the overrides that made it (a tag of its
-    tracked run)."""
+    """A run's files, read by all of its jobs: its resolved config (their params carry the
+    section digests) and the overrides that made it (a tag of its tracked run)."""
     return {
-        "config": yaml.safe_dump(to_dict(run.config), sort_keys=False),
-        "overrides": yaml.safe_dump(run.overrides, sort_keys=True),
+        "config.yaml": yaml.safe_dump(to_dict(run.config), sort_keys=False),
+        "overrides.yaml": yaml.safe_dump(run.overrides, sort_keys=True),
     }
 
 
-def run_files_digest(wildcards):
-    """The run_config job reruns when what it writes changes (and only then)."""
-    return digest(_run_files(run_of(wildcards)))
+def write_run_files(dag):
+    """Write the files of every run of the targets about to run, where they changed.
 
-
-def write_run_files(wildcards, output):
-    """The run_config job: the run's files, each written atomically."""
-    for name, text in _run_files(run_of(wildcards)).items():
-        atomic_write_text(output[name], text)
+    Called by `onstart`: never in a dry run, once the lock is held and before any job. (Not
+    a rule: a config job upstream of every job would rerun on any edit, and Snakemake then
+    skips its downstream jobs' own params checks, so an edit would rerun nothing or all.)
+    """
+    targets = {job.wildcards_dict.get("experiment") for job in dag.jobs}
+    for run in RUNS.values():
+        if run.experiment not in targets:
+            continue
+        for name, text in _run_files(run).items():
+            path = Path(run.directory, name)
+            if not path.is_file() or path.read_text() != text:
+                atomic_write_text(path, text)
 
 
 def parent_folder(wildcards, output):
@@ -98,12 +103,6 @@ def run_of(wildcards):
 def run_config_file(wildcards):
     """The resolved config file of the job's run."""
     return f"{run_of(wildcards).directory}/config.yaml"
-
-
-def _with_config(inputs, run):
-    """A job's inputs plus its run's config file, ancient: a rewritten config reruns only the
-    jobs whose section digests (params) changed."""
-    return {**inputs, "config": ancient(f"{run.directory}/config.yaml")}
 
 
 def _digest_param(stage):
@@ -145,19 +144,12 @@ def _policy(run, trained):
 
 
 def rollout_inputs(wildcards):
-    """The policy being sampled (the previous round's checkpoint), the toy world, the config."""
+    """The policy being sampled (the previous round's checkpoint) and the toy world."""
     run = run_of(wildcards)
     inputs = _toyworld_inputs(run.config)
     if int(wildcards.round) > 0:
         inputs["policy"] = _policy(run, int(wildcards.round))
-    return _with_config(inputs, run)
-
-
-def score_inputs(wildcards):
-    """The round's rollout and the run's config."""
-    run = run_of(wildcards)
-    rollouts = f"{run.directory}/round-{wildcards.round}/rollout"
-    return _with_config({"rollouts": rollouts}, run)
+    return inputs
 
 
 def rollout_policy(wildcards):
@@ -185,13 +177,12 @@ def train_launcher(wildcards):
 
 def evaluate_inputs(wildcards):
     """The policy after ``trained`` rounds or an evaluation's checkpoint (nothing but the toy
-    world for a base policy), and the config."""
-    run = run_of(wildcards)
-    inputs = _toyworld_inputs(run.config)
+    world for a base policy)."""
+    inputs = _toyworld_inputs(run_of(wildcards).config)
     policy = evaluate_policy(wildcards)
     if policy != "base":
         inputs["policy"] = policy
-    return _with_config(inputs, run)
+    return inputs
 
 
 def evaluate_policy(wildcards):

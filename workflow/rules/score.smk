@@ -3,7 +3,7 @@
 
 rule score:
     input:
-        unpack(score_inputs),
+        rollouts=f"{RUN}/round-{{round}}/rollout",
     output:
         directory(f"{RUN}/round-{{round}}/scores"),
     log:
