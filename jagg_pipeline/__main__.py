@@ -1,5 +1,12 @@
-"""``python -m jagg_pipeline``: the command line."""
+"""``python -m jagg_pipeline``: the command line, one command per process."""
 
-from jagg_pipeline.cli import main
+from jagg_pipeline import startup
 
-raise SystemExit(main())
+# First: the start-up is measured from here where /proc cannot say, and collected less often.
+startup.start_command()
+
+from jagg_pipeline.cli import main  # noqa: E402
+
+status = main()
+startup.end_command()
+raise SystemExit(status)

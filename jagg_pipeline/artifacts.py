@@ -1,8 +1,11 @@
 """Writing outputs so that a crash never leaves a half-written file behind, and metric lines.
 
 Every stage folder holds ``metrics.jsonl``: one flat JSON object per line (``stage``, ``round``,
-``step``, then scalar ``key: value`` pairs, nested names joined by dots), which the workflow's
-collection and tracking rules read without knowing any stage.
+``step``, then scalar ``key: value`` pairs, nested names joined by dots). A training round
+keeps a copy of its rollout, score and train stages' lines in ``round-<r>/metrics/<stage>.jsonl``
+(:func:`round_record`), which outlives the stage folders (``workflow.keep_every`` deletes most
+rounds' checkpoints and rollouts); the workflow's collection and tracking rules read those
+without knowing any stage.
 """
 
 from __future__ import annotations
@@ -24,17 +27,21 @@ class DiskFullError(OSError):
     """A write ran out of space (or quota); what stood at the target before is intact."""
 
 
-def _out_of_space(err: BaseException) -> bool:
-    # Writers in other languages (safetensors) report it in their own words.
+def _out_of_space(err: BaseException, folder: Path | None = None) -> bool:
+    # Writers in other languages (safetensors) report it in their own words, and torch's zip
+    # writer (sharded checkpoints) as a short write: then the folder's free space tells.
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return "No space left on device" in str(err) or "os error 28" in str(err)
+    if "No space left on device" in str(err) or "os error 28" in str(err):
+        return True
+    return folder is not None and folder.exists() and shutil.disk_usage(folder).free < 1 << 20
 
 
 def _disk_full(target: Path, err: BaseException) -> DiskFullError:
+    cause = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
     return DiskFullError(
         errno.ENOSPC,
-        f"{target}: no space left on the device while writing it ({err}); what was there "
+        f"{target}: no space left on the device while writing it ({cause}); what was there "
         "before is intact. Free some space and rerun.",
     )
 
@@ -132,8 +139,9 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
         yield staging
         _fsync_tree(staging)
     except BaseException as err:
+        full = not isinstance(err, DiskFullError) and _out_of_space(err, staging)
         shutil.rmtree(staging, ignore_errors=True)
-        if _out_of_space(err) and not isinstance(err, DiskFullError):
+        if full:
             raise _disk_full(target, err) from err
         raise
     if target.exists():
@@ -182,3 +190,29 @@ def append_metrics(
         handle.write(line)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+# A round's kept metric lines: round-<r>/metrics/<stage>.jsonl, one file per stage of the round.
+ROUND_RECORDS = "metrics"
+ROUND_STAGES: tuple[str, ...] = ("rollout", "score", "train")
+
+
+def round_record(round_folder: str | os.PathLike[str], stage: str) -> Path:
+    """Where a round keeps the metric lines of ``stage``: ``<round_folder>/metrics/<stage>.jsonl``.
+
+    ``stage``: one of :data:`ROUND_STAGES`.
+    """
+    if stage not in ROUND_STAGES:
+        raise ValueError(f"stage {stage!r}: a round's stages are {', '.join(ROUND_STAGES)}")
+    return Path(round_folder) / ROUND_RECORDS / f"{stage}.jsonl"
+
+
+def keep_round_record(
+    stage_folder: str | os.PathLike[str], round_folder: str | os.PathLike[str], stage: str
+) -> Path:
+    """Copy the finished ``stage_folder``'s metrics.jsonl to its :func:`round_record`.
+
+    Atomically; the workflow's rollout, score and train rules copy it the same way.
+    """
+    text = (Path(stage_folder) / METRICS_NAME).read_text(encoding="utf-8")
+    return atomic_write_text(round_record(round_folder, stage), text)

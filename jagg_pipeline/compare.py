@@ -21,7 +21,16 @@ from typing import Any
 import numpy as np
 
 from jagg_pipeline.artifacts import atomic_output, atomic_write_text
-from jagg_pipeline.summary import UPDATE_PARTS, RunMetrics, integer_ticks, plot, summarise, table
+from jagg_pipeline.summary import (
+    UPDATE_PARTS,
+    RunMetrics,
+    integer_ticks,
+    plot,
+    stage_seconds,
+    stage_table,
+    summarise,
+    table,
+)
 
 PROBE = re.compile(r"^probe\.(\d+)\.(jagg|no_interp)\.cos_sim$")
 REFERENCE = "exact"
@@ -214,7 +223,9 @@ def write_comparison(
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(runs)
     markdown = table(summary)
-    atomic_write_text(out / "table.md", f"## {title}\n\n{markdown}")
+    # As the summary's table.md: the variants, then the stages' start-up.
+    stages = stage_table(stage_seconds(runs))
+    atomic_write_text(out / "table.md", f"## {title}\n\n{markdown}{stages}")
     several = any(len(s["seeds"]) > 1 for s in summary.values())
     bands = "seed bands" if several else "one seed, n=1"
     images = {"curves.png": f"held-out metrics and rollout reward vs round ({bands})"}

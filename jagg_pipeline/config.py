@@ -363,8 +363,10 @@ class SamplerConfig:
     )
     store_velocities: bool = field(
         True,
-        help="store each trained step's velocity with the rollout (one latent per trained step "
-        "and sample), so the first optimizer step of a round skips JAGG's interior forwards",
+        help="store the velocities the first optimizer step of a round can reuse to skip JAGG's "
+        "interior forwards (one latent per sample at each step of the approximated windows "
+        "with interiors, in the compute dtype; none under mode exact, W = 2, jagg_frac 0, "
+        "no_interp drop or jagg.reuse_velocities false)",
     )
     window_size: int = field(8, help="'window' only: consecutive SDE steps", minimum=1)
     window_start: list[int] = field(
@@ -506,7 +508,15 @@ class TrainConfig:
         minimum=0,
         maximum=1,
     )
-    nproc: int = field(1, help="processes (GPUs) per training job, under torchrun", minimum=1)
+    nodes: int = field(
+        1,
+        help="nodes per training job: one torchrun agent per node under srun, joined by a c10d "
+        "rendezvous on the first (> 1 needs a cluster: --profile workflow/profiles/slurm)",
+        minimum=1,
+    )
+    nproc: int = field(
+        1, help="processes (GPUs) per node of a training job, under torchrun", minimum=1
+    )
     allow_skipped_round: bool = field(
         False,
         help="write the checkpoint even when every optimizer step of a round was skipped "
@@ -517,6 +527,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"train.betas: expected two numbers in [0, 1), got {self.betas}")
+
+    @property
+    def world_size(self) -> int:
+        """Training processes in all: ``nodes`` x ``nproc``."""
+        return self.nodes * self.nproc
 
 
 @dataclass
@@ -609,11 +624,14 @@ class ExperimentConfig:
                 f"{micro_batches} micro-batch(es) (sampler.prompts_per_round "
                 f"{sampler.prompts_per_round} groups, {groups_per_batch} per sampler.batch_size)"
             )
-        if (micro_batches // train.minibatches) % train.nproc:
+        if (micro_batches // train.minibatches) % train.world_size:
+            key = "train.nproc" if train.nodes == 1 else "train.nodes"
             raise ValueError(
-                f"train.nproc: {train.nproc} processes cannot share the "
+                f"{key}: {train.world_size} processes (train.nodes {train.nodes} x "
+                f"train.nproc {train.nproc}) cannot share the "
                 f"{micro_batches // train.minibatches} micro-batch(es) of an optimizer step "
-                "evenly; change train.minibatches, sampler.prompts_per_round or batch_size"
+                "evenly; change train.nodes, train.nproc, train.minibatches, "
+                "sampler.prompts_per_round or batch_size"
             )
 
     def trained_steps_at_most(self) -> int:

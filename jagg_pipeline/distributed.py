@@ -10,8 +10,9 @@ Training always runs under FSDP2 (``fully_shard``), with one code path for every
 
 Gradients are SUMMED across ranks (FSDP2 averages by default): the training objective is
 normalised by the global sample count, so the sum of the ranks' gradients is the
-single-process gradient (:func:`shard_backbone`). State dicts are gathered in full to rank 0
-on the CPU for writing, and optimizer state is broadcast from rank 0 when read back.
+single-process gradient (:func:`shard_backbone`). State dicts stay sharded: each rank
+hands its own shards to :mod:`jagg_pipeline.checkpoint` and loads its own back, so no rank
+ever holds the whole model or optimizer state.
 """
 
 from __future__ import annotations
@@ -30,21 +31,18 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from jagg_pipeline.backbones.base import Backbone
 from jagg_pipeline.errors import InputError
 
-_FULL_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Frozen parameters (a LoRA base model, dead modules) never change: no need to gather them.
-_TRAINABLE_TO_RANK0 = StateDictOptions(
-    full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
-)
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+# Frozen parameters (a LoRA base model, dead modules) never change: the base checkpoint has them.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 # FSDP2 warns whenever a wrapped module returns a view: an in-place op on that view after the
 # forward can bypass the pre-backward hook FSDP2 registers on it (the all-gather before the
@@ -165,6 +163,18 @@ def broadcast_object(value: Any) -> Any:
     return box[0]
 
 
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 of the process group (the one that writes files)."""
+    return dist.get_rank() == 0
+
+
 # --------------------------------------------------------------------------------------------
 # Sharding
 # --------------------------------------------------------------------------------------------
@@ -234,29 +244,33 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``full`` placed and sharded as ``like`` (a parameter, possibly a DTensor)."""
-    full = full.to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements)
-    return full
+def model_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of the module's state dict, as this rank's shards; collective.
 
-
-def full_model_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable part of the module's state dict, in full on rank 0's CPU; collective.
-
-    Frozen parameters are left out; keys are the module's own state-dict names.
+    Frozen parameters and buffers are left out (the base checkpoint has them); keys are the
+    module's own state-dict names. The values share storage with the parameters: loading
+    into them in place loads the model.
     """
-    return get_model_state_dict(module, options=_TRAINABLE_TO_RANK0)
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    state = get_model_state_dict(module, options=_TRAINABLE)
+    return {name: value for name, value in state.items() if name in trainable}
 
 
-def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's full state dict, keyed by parameter name, on rank 0's CPU; collective."""
-    return get_optimizer_state_dict(module, optimizer, options=_FULL_TO_RANK0)
+def load_model_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Set the trainable parameters from a state dict shaped as :func:`model_state_dict`'s."""
+    set_model_state_dict(module, state, options=StateDictOptions(strict=False))
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict, keyed by parameter name, as this rank's shards; collective.
+
+    A fresh optimizer's state is created (zero moments) so that it can be loaded into.
+    """
+    return get_optimizer_state_dict(module, optimizer)
 
 
 def load_optimizer_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Load a full optimizer state dict read on rank 0 (others pass ``{}``); collective."""
-    set_optimizer_state_dict(module, optimizer, state, options=_FROM_RANK0)
+    """Load a state dict shaped as :func:`optimizer_state_dict`'s; collective."""
+    set_optimizer_state_dict(module, optimizer, state)

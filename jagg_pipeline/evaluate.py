@@ -33,6 +33,7 @@ from jagg_pipeline.prompts import resolve_prompts
 from jagg_pipeline.rewards import load_reward
 from jagg_pipeline.rollout import RolloutPlan, derive_seed, micro_batches, sample_batches
 from jagg_pipeline.scoring import reward_columns
+from jagg_pipeline.startup import StageClock
 from jagg_pipeline.tables import write_table
 
 STAGE = "evaluate"
@@ -91,17 +92,27 @@ def plan_evaluation(config: Any) -> RolloutPlan:
     )
 
 
-def evaluate(config: Any, backbone: Backbone, progress: bool = True) -> Evaluation:
-    """Sample the evaluation images with ``backbone`` and score them with every metric."""
+def evaluate(
+    config: Any, backbone: Backbone, progress: bool = True, clock: StageClock | None = None
+) -> Evaluation:
+    """Sample the evaluation images with ``backbone`` and score them with every metric.
+
+    ``clock``: the evaluate stage's; loading the metrics' reward models counts as its load,
+    sampling and scoring as its work (None: not timed).
+    """
+    clock = clock or StageClock()
     plan = plan_evaluation(config)
     batch = sample_batches(backbone, plan, plan.micro_batches, desc="evaluate", progress=progress)
+    clock.lap("work")
     # The backbone's device is this rank's (cuda:LOCAL_RANK), not the config's bare "cuda".
     device = config.rewards.resolve_device(str(backbone.device))
     metrics = {
         name: load_reward(name, config.rewards.spec(name), device) for name in config.eval.metrics
     }
+    clock.lap("load")
     prompts = [plan.prompts[i] for i in batch.prompt_ids.tolist()]
     scores = reward_columns(metrics, batch.images, prompts, config.sampler.batch_size)
+    clock.lap("work")
     return Evaluation(plan.prompts, plan.group_size, batch.seeds, batch.images, scores)
 
 
@@ -176,12 +187,14 @@ def run_evaluate(
     config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
 ) -> dict[str, Any]:
     """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics."""
+    clock = StageClock.start()
     from jagg_pipeline.distributed import local_device
     from jagg_pipeline.policy import load_policy
 
     out = Path(out)
     backbone = load_policy(config, policy, local_device(config.backbone.device))
-    evaluation = evaluate(config, backbone, progress)
+    clock.lap("load")
+    evaluation = evaluate(config, backbone, progress, clock)
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, (f"{IMAGES_DIR}/*.png", METRICS_NAME))
     ev = config.eval
@@ -194,7 +207,8 @@ def run_evaluate(
         "seed": ev.seed,
     }
     report = write_evaluation(evaluation, out, info)
-    append_metrics(out, STAGE, trained_rounds(policy), 0, _metric_values(report["metrics"]))
+    metrics = _metric_values(report["metrics"]) | {"time": clock.record()}
+    append_metrics(out, STAGE, trained_rounds(policy), 0, metrics)
     finish_output(
         out,
         config,

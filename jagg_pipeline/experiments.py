@@ -8,9 +8,10 @@ is policies x prompt sets x seeds, evaluated without training. A run is one (tar
 seed) with its fully resolved :class:`~jagg_pipeline.config.ExperimentConfig`. This module
 owns that resolution, how config data is layered (:func:`merge`: sections merge key by key,
 every other value, a mapping of reward weights included, replaces), the run layout
-(``<results>/<target>/<variant>/seed-<s>/``), which rounds are evaluated, and the digests of
-the config sections each stage reads (the rules' params: an edit reruns exactly the jobs it
-affects). Torch-free: every Snakemake job parses the Snakefile, which calls this.
+(``<results>/<target>/<variant>/seed-<s>/``), which rounds are evaluated and which keep their
+checkpoint and rollout (``workflow.keep_every``), and the digests of the config sections each
+stage reads (the rules' params: an edit reruns exactly the jobs it affects). Torch-free: every
+Snakemake job parses the Snakefile, which calls this.
 """
 
 from __future__ import annotations
@@ -38,7 +39,17 @@ WORKFLOW_KEY = "workflow"
 # The config sections (or dotted keys) each stage reads: the rules pass their digests as
 # params. Rollouts also depend on the policy they sample from, a file input of the rule.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "rollout": ("backbone", "sampler", "train.seed"),
+    # The jagg keys decide which velocities a rollout stores (rollout.velocity_steps).
+    "rollout": (
+        "backbone",
+        "sampler",
+        "train.seed",
+        "jagg.mode",
+        "jagg.window",
+        "jagg.jagg_frac",
+        "jagg.no_interp",
+        "jagg.reuse_velocities",
+    ),
     "score": ("rewards", "advantage"),
     "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
     "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
@@ -52,8 +63,10 @@ WORKFLOW_RULES: tuple[str, ...] = (
     "toyworld_clip",
     "toyworld_backbone",
     "rollout",
+    "rollout_transient",
     "score",
     "train",
+    "train_transient",
     "evaluate",
     "summary",
     "track",
@@ -171,6 +184,14 @@ class WorkflowConfig:
     report: list[str] = field(
         default_factory=lambda: ["all"], help="experiments the `report` target collects"
     )
+    keep_every: int | None = field(
+        None,
+        help="keep the checkpoint and rollout of every K-th round of a run (round r when "
+        "(r + 1) % K == 0), of its last round and of every evaluated round; the other rounds' "
+        "are deleted once the next round no longer needs them (their metrics stay in "
+        "round-<r>/metrics/). null: keep every round",
+        minimum=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -178,7 +199,8 @@ class Run:
     """One (target, variant, seed) with its resolved config and where it lives.
 
     ``policy``: for an evaluation run, what it evaluates (``base`` or a checkpoint folder);
-    None for a training run, which evaluates its own rounds.
+    None for a training run, which evaluates its own rounds. ``keep_every``:
+    ``workflow.keep_every`` (which rounds keep their checkpoint and rollout).
     """
 
     experiment: str
@@ -188,6 +210,7 @@ class Run:
     overrides: dict[str, Any]
     directory: str
     policy: str | None = None
+    keep_every: int | None = None
 
     @property
     def run_id(self) -> str:
@@ -198,6 +221,11 @@ class Run:
     def evaluated_rounds(self) -> list[int]:
         """Rounds trained before each evaluation (an evaluation run: only its policy, as 0)."""
         return [0] if self.policy is not None else evaluated_rounds(self.config)
+
+    @property
+    def kept_rounds(self) -> list[int]:
+        """Training rounds whose checkpoint and rollout stay on disk (:func:`kept_rounds`)."""
+        return [] if self.policy is not None else kept_rounds(self.config, self.keep_every)
 
 
 def split(data: Mapping[str, Any]) -> tuple[dict[str, Any], WorkflowConfig]:
@@ -361,15 +389,15 @@ def check_target_name(kind: str, name: str, taken: Mapping[str, str] = {}) -> No
         raise ConfigError(f"{where}: {name!r} is taken by {taken[name]}; rename the target")
 
 
-def _resolve(base, results, target, variant, overrides, seed_key, seed, policy=None) -> Run:
+def _resolve(base, workflow, target, variant, overrides, seed_key, seed, policy=None) -> Run:
     merged = _merge(_merge(base, overrides), _dotted(seed_key, seed))
     try:
         config = from_dict(ExperimentConfig, merged)
     except ConfigError as err:
         raise ConfigError(f"{target}.variants.{variant} (base + overrides): {err}") from None
     name = target.rsplit(".", 1)[-1]
-    directory = f"{results}/{name}/{variant}/seed-{seed}"
-    return Run(name, variant, seed, config, overrides, directory, policy)
+    directory = f"{workflow.results}/{name}/{variant}/seed-{seed}"
+    return Run(name, variant, seed, config, overrides, directory, policy, workflow.keep_every)
 
 
 def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
@@ -390,9 +418,7 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
         target = f"{WORKFLOW_KEY}.experiments.{name}"
         for variant, overrides in _variants(name, experiment).items():
             for seed in experiment.seeds:
-                run = _resolve(
-                    base, workflow.results, target, variant, overrides, "train.seed", seed
-                )
+                run = _resolve(base, workflow, target, variant, overrides, "train.seed", seed)
                 runs[run.run_id] = run
     for name, evaluation in workflow.evaluations.items():
         check_target_name("evaluations", name, taken)
@@ -401,7 +427,7 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
         for variant, (policy, overrides) in _evaluation_variants(name, evaluation).items():
             for seed in evaluation.seeds:
                 run = _resolve(
-                    base, workflow.results, target, variant, overrides, "eval.seed", seed, policy
+                    base, workflow, target, variant, overrides, "eval.seed", seed, policy
                 )
                 runs[run.run_id] = run
     return runs
@@ -411,6 +437,22 @@ def evaluated_rounds(config: ExperimentConfig) -> list[int]:
     """Rounds of training after which the policy is evaluated: 0 (base), every K, and the last."""
     rounds, every = config.train.rounds, config.eval.every
     return sorted({0, rounds, *range(every, rounds + 1, every)})
+
+
+def kept_rounds(config: ExperimentConfig, keep_every: int | None) -> list[int]:
+    """Training rounds whose checkpoint and rollout a run keeps (``workflow.keep_every``).
+
+    None keeps every round. Else round ``r`` is kept when ``(r + 1) % keep_every == 0``, when
+    it is the last round, and when its checkpoint is evaluated (``eval/trained-<r + 1>``);
+    the workflow deletes the other rounds' checkpoints and rollouts once the next round no
+    longer needs them.
+    """
+    rounds = config.train.rounds
+    if keep_every is None:
+        return list(range(rounds))
+    kept = {r for r in range(rounds) if (r + 1) % keep_every == 0}
+    kept |= {n - 1 for n in evaluated_rounds(config) if n > 0}
+    return sorted(kept | {rounds - 1})
 
 
 def _select(data: Mapping[str, Any], dotted: str) -> Any:

@@ -197,7 +197,9 @@ class _Window:
         self.stats, self.per_step, self.stack, self.known = stats, per_step, stack, known
         steps = stats.steps
         self.interior = [k for k in steps[1:-1] if per_step[k] != (0.0, 0.0)]
-        self.stored = known is not None and all(k in known for k in self.interior)
+        # Only what the endpoints vouch for is used: no stored endpoint, no check, no reuse.
+        vouched = [*self.interior, steps[0], steps[-1]]
+        self.stored = known is not None and all(k in known for k in vouched)
         self.velocities: dict[int, torch.Tensor] = {}
         self.signals: dict[int, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
@@ -399,6 +401,30 @@ def route_windows(n_windows: int, jagg_frac: float) -> list[bool]:
         raise ValueError(f"jagg_frac must be in [0, 1], got {jagg_frac}")
     n_routed = math.floor(jagg_frac * n_windows + 0.5)
     return [i < n_routed for i in range(n_windows)]
+
+
+def reusable_steps(
+    trained_steps: Sequence[int],
+    window: int,
+    routed: Sequence[bool] | None,
+    mode: str,
+    no_interp: NoInterpVariant = "drop",
+) -> list[int]:
+    """The trained steps whose sampled velocities an on-policy JAGG step can reuse.
+
+    Every step of each approximated window that has interiors to fill in: the interiors are
+    reused, the endpoints are what the reuse is checked against (:class:`_Window`). None for
+    ``exact``, for ``no_interp`` with ``drop`` (interior signals unused), for windows of two
+    steps and for windows routed to the exact engine. ``routed`` None: any window may be
+    routed (routing decided later, e.g. probed).
+    """
+    if mode == "exact" or (mode == "no_interp" and no_interp == "drop"):
+        return []
+    windows = split_windows(trained_steps, window)
+    routed = [True] * len(windows) if routed is None else list(routed)
+    return [
+        k for chunk, r in zip(windows, routed, strict=True) if r and len(chunk) > 2 for k in chunk
+    ]
 
 
 @dataclass

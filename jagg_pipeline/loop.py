@@ -3,9 +3,11 @@
 For tests, benchmarks and notebooks (e.g. "does GRPO raise the toy world's held-out reward?"):
 the same stage functions the commands run, chained through the same files, so what passes
 here passes in the workflow. Round ``r`` lives in ``workdir/round-<r>/`` (``rollout/``,
-``scores/``, ``checkpoint/``). With ``evaluate_every`` the loop also runs the evaluate
-stage's protocol (``eval`` section: fixed prompts and seeds, ODE sampling) on the base policy
-and on the checkpoints it names, in memory.
+``scores/``, ``checkpoint/``, and ``metrics/{rollout,score,train}.jsonl``: the copies of the
+stage folders' metric lines that the workflow keeps too, which
+:func:`jagg_pipeline.summary.read_run` reads). With ``evaluate_every`` the loop also runs the
+evaluate stage's protocol (``eval`` section: fixed prompts and seeds, ODE sampling) on the base
+policy and on the checkpoints it names, in memory.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jagg_pipeline.artifacts import keep_round_record
 
 
 @dataclass
@@ -56,7 +60,9 @@ def _scored_rollout(
         column=sampler.prompt_column,
         progress=progress,
     )
+    keep_round_record(rollouts, directory, "rollout")
     summary = run_score(config, rollouts, scores).summary
+    keep_round_record(scores, directory, "score")
     return rollouts, scores, float(summary["total_mean"])
 
 
@@ -113,6 +119,7 @@ def run_rounds(
         update: dict[str, float] = {}
         if trained:
             result = train_round(config, policy, rollouts, scores, checkpoint, progress=progress)
+            keep_round_record(checkpoint, directory, "train")
             update = _update_seconds(result.metrics)
         done = LoopRound(
             round_index,

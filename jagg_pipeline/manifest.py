@@ -25,6 +25,7 @@ from jagg_pipeline import __version__
 from jagg_pipeline.artifacts import METRICS_NAME, atomic_write_json, atomic_write_text
 from jagg_pipeline.configtools import digest, to_dict
 from jagg_pipeline.errors import InputError
+from jagg_pipeline.shards import METADATA_FILE
 
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.yaml"
@@ -79,6 +80,10 @@ def digest_path(path: str | Path) -> str:
     return h.hexdigest()
 
 
+# Sharded tensor folders keep their index in a hidden file.
+_HIDDEN_DATA = (METADATA_FILE,)
+
+
 def _data_files(path: Path) -> list[Path]:
     """The files whose bytes are the output: all but its manifest, metrics and hidden files."""
     if path.is_file():
@@ -88,7 +93,7 @@ def _data_files(path: Path) -> list[Path]:
         for p in path.rglob("*")
         if p.is_file()
         and p.relative_to(path).as_posix() not in (MANIFEST_NAME, METRICS_NAME)
-        and not p.name.startswith(".")
+        and (not p.name.startswith(".") or p.name in _HIDDEN_DATA)
     )
 
 

@@ -14,9 +14,6 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline import distributed
-from jagg_pipeline.errors import InputError
-
 
 def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
     """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
@@ -33,34 +30,22 @@ def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
 
 
 class Ema:
-    """Exponential moving average of the trainable weights, sharded like them."""
+    """Exponential moving average of the trainable weights, sharded like them.
 
-    def __init__(
-        self,
-        params: dict[str, torch.Tensor],
-        decay: float,
-        saved: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    ``shadow`` is the sharded state (names as the parameters'): the checkpoint saves it and
+    loads a saved one into it in place.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], decay: float) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"train.ema_decay must be in (0, 1), got {decay}")
-        if saved is not None and set(saved) != set(params):
-            raise InputError("the policy's EMA weights do not match the trainable weights")
         self.decay = decay
-        self.shadow = {
-            name: distributed.shard_like(saved[name], p)
-            if saved is not None
-            else p.detach().clone()
-            for name, p in params.items()
-        }
+        self.shadow = {name: p.detach().clone() for name, p in params.items()}
 
     @torch.no_grad()
     def update(self, params: dict[str, torch.Tensor]) -> None:
         for name, p in params.items():
             self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The full EMA weights (a collective; meaningful on rank 0)."""
-        return {name: distributed.full_tensor(t).cpu() for name, t in self.shadow.items()}
 
 
 def build_optimizer(

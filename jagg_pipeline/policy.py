@@ -3,34 +3,33 @@
 Owns the ``--policy`` argument of the stages and the policy part of a training checkpoint
 directory, the one format the training stage writes and rollout / evaluate read::
 
-    CKPT/manifest.json                       stage "train" (its backbone section is checked)
-    CKPT/policy/adapter_config.json          LoRA: as Backbone.save_lora writes them
-    CKPT/policy/adapter_model.safetensors
-      or
-    CKPT/policy/transformer.safetensors      full fine-tuning: the transformer's trainable
-                                             parameters, names as in transformer.state_dict()
-    CKPT/...                                 trainer-private files (optimizer, ...), ignored here
+    CKPT/manifest.json        stage "train" (its backbone section is checked)
+    CKPT/policy/              the transformer's trainable parameters (LoRA adapters, or every
+                              live parameter for full fine-tuning), names as in
+                              transformer.named_parameters(), sharded as the training ranks
+                              held them (:mod:`jagg_pipeline.shards`)
+    CKPT/...                  trainer-private files (optimizer, ...), ignored here
 
-``policy == "base"`` is the checkpoint that ``config.backbone.path`` names.
+A consumer builds the configured backbone (the base checkpoint, with fresh adapters for LoRA)
+and reads the saved parameters into it in place, so loading never needs a second copy of the
+model. ``policy == "base"`` is the checkpoint that ``config.backbone.path`` names. Hub formats
+(a diffusers folder, a peft adapter) are written by :func:`export_policy`, on demand.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from jagg_pipeline.backbones import Backbone, load_backbone
-from jagg_pipeline.backbones import lora as lora_files
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import check_input
 
 BASE = "base"
 POLICY_DIR = "policy"
-FULL_WEIGHTS = "transformer.safetensors"
 
 
 class PolicyError(InputError):
@@ -56,8 +55,12 @@ def load_policy(
     None keeps ``config.backbone.device`` (a rank's ``cuda:<local rank>`` overrides it).
     Under ``backbone.mixed_precision: bf16`` a backbone for sampling computes in bfloat16 as
     training does (:meth:`Backbone.compute_in_bf16`); ``for_training`` leaves its weights in
-    ``backbone.dtype`` for FSDP2's mixed-precision policy to cast.
+    ``backbone.dtype`` for FSDP2's mixed-precision policy to cast, and skips the text
+    encoders (training reads the rollout's encoded prompts; a T5-XXL is 9 GB per rank).
     """
+    if for_training:
+        skipped = dataclasses.replace(config.backbone, load_text_encoders=False)
+        config = dataclasses.replace(config, backbone=skipped)
     backbone = _load(config, policy, device)
     if config.backbone.mixed_precision == "bf16" and not for_training:
         backbone.compute_in_bf16()
@@ -70,104 +73,104 @@ def _load(config: Any, policy: str | Path, device: str | torch.device | None) ->
         spec = dataclasses.replace(spec, device=str(device))
     if str(policy) == BASE:
         return load_backbone(spec)
-    checkpoint = Path(policy)
-    if not checkpoint.is_dir():
-        raise PolicyError(
-            f"policy {str(policy)!r}: neither {BASE!r} nor a checkpoint directory (no such "
-            "directory)"
-        )
-    check_input(checkpoint, stage="train", config=config, sections=["backbone"])
+    check_checkpoint(config, policy)
     backbone = load_backbone(spec)
-    apply_policy(backbone, policy_weights_dir(checkpoint))
+    apply_policy(backbone, policy_weights_dir(policy))
     return backbone
 
 
+def check_checkpoint(config: Any, checkpoint: str | Path) -> None:
+    """Refuse ``checkpoint`` unless it is a finished ``train`` output of this backbone section."""
+    if not Path(checkpoint).is_dir():
+        raise PolicyError(
+            f"policy {str(checkpoint)!r}: neither {BASE!r} nor a checkpoint directory (no such "
+            "directory)"
+        )
+    check_input(checkpoint, stage="train", config=config, sections=["backbone"])
+
+
+def trainable_state(backbone: Backbone) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name, detached: loading into them loads the policy."""
+    return {
+        name: param.detach()
+        for name, param in backbone.transformer.named_parameters()
+        if param.requires_grad
+    }
+
+
+def load_weights(
+    state: dict[str, torch.Tensor],
+    folder: str | Path,
+    *,
+    collective: bool = False,
+    what: str = "weights",
+) -> None:
+    """Fill ``state`` (trainable parameters by name) in place from a sharded ``folder``.
+
+    The saved names must be exactly ``state``'s (else :class:`PolicyError` naming the
+    difference). ``collective``: each training rank reads its own shards (a collective).
+    """
+    from jagg_pipeline import shards
+
+    folder = Path(folder)
+    if not (folder / shards.METADATA_FILE).is_file():
+        raise PolicyError(f"{folder}: holds no saved {what} ({shards.METADATA_FILE} missing)")
+    saved = shards.keys(folder)
+    unexpected, missing = sorted(set(saved) - set(state)), sorted(set(state) - set(saved))
+    wrong = [n for n in set(saved) & set(state) if saved[n] != tuple(state[n].shape)]
+    if unexpected or missing or wrong:
+        raise PolicyError(
+            f"{folder}: its {what} do not fit this transformer's trainable parameters "
+            f"(check backbone.training and backbone.lora): unexpected {unexpected[:5]}, "
+            f"missing {missing[:5]}, other shapes {sorted(wrong)[:5]}"
+        )
+    with torch.no_grad():
+        shards.load(state, folder, collective=collective)
+
+
 def apply_policy(backbone: Backbone, weights: str | Path) -> None:
-    """Load a ``policy/`` directory written by :func:`save_policy` into ``backbone``."""
-    weights = Path(weights)
-    if (weights / lora_files.CONFIG_FILE).is_file():
-        backbone.load_lora(weights)
-        return
-    full = weights / FULL_WEIGHTS
-    if not full.is_file():
-        raise PolicyError(
-            f"{weights}: holds neither {lora_files.CONFIG_FILE} + {lora_files.WEIGHTS_FILE} "
-            f"(LoRA) nor {FULL_WEIGHTS} (full fine-tuning)"
-        )
-    from safetensors.torch import load_file
-
-    state = load_file(str(full))
-    expected = set(backbone.transformer.state_dict())
-    unexpected = sorted(set(state) - expected)
-    missing = sorted(
-        {n for n, p in backbone.transformer.named_parameters() if p.requires_grad} - set(state)
-    )
-    if unexpected or missing:
-        raise PolicyError(
-            f"{full}: does not fit this {backbone.family} transformer (training mode "
-            f"{backbone.training_mode!r}): unexpected {unexpected[:5]}, missing trainable "
-            f"{missing[:5]}"
-        )
-    backbone.transformer.load_state_dict(state, strict=False)
+    """Read a checkpoint's ``policy/`` folder into ``backbone``'s trainable parameters."""
+    load_weights(trainable_state(backbone), weights)
 
 
-def policy_state_dict(
-    backbone: Backbone, state_dict: Mapping[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """The trainable weights a checkpoint stores: LoRA adapters (peft names) or parameters.
+def save_policy(backbone: Backbone, directory: str | Path) -> Path:
+    """Write ``directory/policy/`` from this process's backbone, atomically; returns it.
 
-    ``state_dict`` (keys as in ``backbone.transformer.state_dict()``) replaces the live
-    parameters as the source: a full state dict gathered from FSDP shards, or EMA weights.
+    For a policy trained outside the training stage (tests, notebooks); a training checkpoint
+    writes its shards from every rank (:mod:`jagg_pipeline.checkpoint`).
     """
-    transformer = backbone.transformer
-    if backbone.training_mode == "lora":
-        from peft import get_peft_model_state_dict
-
-        weights = get_peft_model_state_dict(
-            transformer,
-            state_dict=None if state_dict is None else dict(state_dict),
-            adapter_name=lora_files.ADAPTER_NAME,
-        )
-    else:
-        source = transformer.state_dict() if state_dict is None else state_dict
-        names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-        absent = [n for n in names if n not in source]
-        if absent:
-            raise KeyError(f"state_dict lacks trainable parameters, e.g. {absent[:5]}")
-        weights = {n: source[n] for n in names}
-    return {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
-
-
-def save_policy(
-    backbone: Backbone,
-    directory: str | Path,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-) -> Path:
-    """Write ``directory/policy/`` (see the module docstring) atomically; returns it.
-
-    The files are written into a temporary sibling first and renamed into place, so a reader
-    never sees a half-written policy. ``state_dict``: see :func:`policy_state_dict`. A
-    training checkpoint writes its policy with :func:`write_policy_files` inside its own
-    atomic folder instead (:mod:`jagg_pipeline.checkpoint`).
-    """
+    from jagg_pipeline import shards
     from jagg_pipeline.artifacts import atomic_directory
 
     target = policy_weights_dir(directory)
     with atomic_directory(target) as staging:
-        write_policy_files(backbone, staging, state_dict)
+        shards.save(trainable_state(backbone), staging)
     return target
 
 
-def write_policy_files(
-    backbone: Backbone, folder: Path, state_dict: Mapping[str, torch.Tensor] | None = None
-) -> None:
-    """The policy's files (LoRA adapters or full weights) into the existing ``folder``."""
-    from safetensors.torch import save_file
+def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Path:
+    """Write a checkpoint's policy in a hub format into ``out`` (atomically); returns it.
 
-    weights = policy_state_dict(backbone, state_dict)
-    if backbone.training_mode == "lora":
-        # The adapter config is the LoRA format's, as Backbone.save_lora writes it.
-        lora_files.save_adapter_config(backbone.transformer, folder)
-        save_file(weights, str(folder / lora_files.WEIGHTS_FILE))
-    else:
-        save_file(weights, str(folder / FULL_WEIGHTS))
+    LoRA: a peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+    :meth:`Backbone.load_lora` and peft load onto the base model. Full fine-tuning: a diffusers
+    pipeline folder, the base checkpoint's with the trained ``transformer/`` in its place,
+    loadable as ``backbone.path``. Reads the whole policy into this one process.
+    """
+    import shutil
+
+    from jagg_pipeline.artifacts import atomic_directory
+    from jagg_pipeline.backbones.base import resolve_checkpoint
+
+    backbone = _load(config, checkpoint, "cpu")  # in backbone.dtype, as trained
+    with atomic_directory(out) as staging:
+        if backbone.training_mode == "lora":
+            backbone.save_lora(staging)
+        else:
+            base = resolve_checkpoint(config.backbone)
+            for entry in base.iterdir():
+                if entry.name == "transformer":
+                    continue
+                copy = shutil.copytree if entry.is_dir() else shutil.copy2
+                copy(entry, staging / entry.name)
+            backbone.transformer.save_pretrained(staging / "transformer")
+    return Path(out)

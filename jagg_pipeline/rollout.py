@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import begin_output, finish_output, stage_inputs
 from jagg_pipeline.prompts import draw_prompts, resolve_prompts
 from jagg_pipeline.rewards.base import to_uint8
+from jagg_pipeline.startup import StageClock
 from jagg_pipeline.trajectories import TrajectoryBatch, concatenate
 
 STAGE = "rollout"
@@ -105,7 +106,8 @@ class RolloutPlan:
     masks: sde.StepMasks
     coeffs: sde.StepCoefficients
     micro_batches: list[range]
-    store_velocities: bool = False
+    velocity_steps: list[int] = field(default_factory=list)
+    velocity_dtype: torch.dtype | None = None
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -130,15 +132,44 @@ def plan_rollout(config: Any, pool: Sequence[str], round_index: int = 0) -> Roll
     seeds = torch.tensor(
         [derive_seed(seed, "rollout", round_index, i) for i in range(count)], dtype=torch.int64
     )
+    masks = step_masks(sampler, derive_seed(seed, "steps", round_index))
     return RolloutPlan(
         prompts=prompts,
         group_size=sampler.group_size,
         seeds=seeds,
-        masks=step_masks(sampler, derive_seed(seed, "steps", round_index)),
+        masks=masks,
         coeffs=step_coefficients(sampler),
         micro_batches=micro_batches(len(prompts), sampler.group_size, sampler.batch_size),
-        store_velocities=sampler.store_velocities,
+        velocity_steps=velocity_steps(config, masks.trained_indices),
+        velocity_dtype=compute_dtype(config.backbone),
     )
+
+
+def velocity_steps(config: Any, trained_steps: Sequence[int]) -> list[int]:
+    """The trained steps whose velocities the rollout stores: those training can reuse.
+
+    None unless ``sampler.store_velocities`` and ``jagg.reuse_velocities``; then the steps of
+    the windows that will be approximated (all of them under ``jagg_frac: auto``, decided
+    later) and have interiors (:func:`jagg_pipeline.jagg.reusable_steps`).
+    """
+    from jagg_pipeline import jagg
+
+    jagg_config = config.jagg
+    if not (config.sampler.store_velocities and jagg_config.reuse_velocities):
+        return []
+    windows = len(jagg.split_windows(trained_steps, jagg_config.window))
+    frac = jagg_config.jagg_frac
+    routed = None if frac == "auto" else jagg.route_windows(windows, frac)
+    return jagg.reusable_steps(
+        trained_steps, jagg_config.window, routed, jagg_config.mode, jagg_config.no_interp
+    )
+
+
+def compute_dtype(backbone: Any) -> torch.dtype:
+    """The dtype the policy's network computes in: bfloat16 under bf16 mixed precision."""
+    if backbone.mixed_precision == "bf16":
+        return torch.bfloat16
+    return getattr(torch, backbone.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +187,8 @@ def generate(
     masks: sde.StepMasks,
     coeffs: sde.StepCoefficients,
     sample_ids: torch.Tensor | None = None,
-    store_velocities: bool = False,
+    velocity_steps: Sequence[int] = (),
+    velocity_dtype: torch.dtype | None = None,
 ) -> TrajectoryBatch:
     """Sample one micro-batch: sample ``i`` is prompt ``prompts[prompt_ids[i]]``, seed ``seeds[i]``.
 
@@ -170,6 +202,11 @@ def generate(
     noise = torch.cat([backbone.initial_noise(1, g) for g in generators])
     trajectory = sde.sample(backbone.velocity, cond, noise, sigmas, masks, coeffs, generators)
     images = to_uint8(backbone.decode(trajectory.latents[:, -1]))
+    velocities = None
+    if velocity_steps:
+        trained = masks.trained_indices
+        columns = [trained.index(k) for k in velocity_steps]
+        velocities = trajectory.velocities[:, columns].to("cpu", velocity_dtype)
     return TrajectoryBatch(
         latents=trajectory.latents.cpu(),
         log_probs=trajectory.log_probs.cpu(),
@@ -183,7 +220,8 @@ def generate(
         cond={k: v.cpu() for k, v in cond.items()},
         images=images.cpu(),
         sample_ids=sample_ids,
-        velocities=trajectory.velocities.cpu() if store_velocities else None,
+        velocities=velocities,
+        velocity_steps=list(velocity_steps) if velocities is not None else None,
     )
 
 
@@ -221,7 +259,8 @@ def sample_batches(
                 plan.masks,
                 plan.coeffs,
                 index,
-                plan.store_velocities,
+                plan.velocity_steps,
+                plan.velocity_dtype,
             )
         )
     return concatenate(parts)
@@ -272,6 +311,7 @@ def run_rollout(
     ``prompts``: a prompt file or ``toy:train`` / ``toy:heldout``. Under torchrun every rank
     runs this; rank 0 clears the directory first and writes the manifest after all shards.
     """
+    clock = StageClock.start()
     from jagg_pipeline.distributed import barrier, distributed
     from jagg_pipeline.policy import load_policy
 
@@ -284,8 +324,10 @@ def run_rollout(
             out.mkdir(parents=True, exist_ok=True)
             begin_output(out, (*SHARD_FILES, METRICS_NAME))
         barrier()
+        clock.lap("load")
         start = time.perf_counter()
         shard = sample_rollout(backbone, plan, rank, world_size, progress and rank == 0)
+        clock.lap("work")
         shard.save(out, rank)
         barrier()
         if rank == 0:
@@ -293,7 +335,7 @@ def run_rollout(
             # What storing the velocities for on-policy reuse costs on disk.
             velocities = shard.velocities
             extra = 0 if velocities is None else velocities[0].numel() * velocities.itemsize
-            metrics = {"samples": len(plan.seeds), "seconds": seconds}
+            metrics = {"samples": len(plan.seeds), "seconds": seconds, "time": clock.record()}
             append_metrics(out, STAGE, round_index, 0, metrics | {"velocity_bytes": extra})
             finish_output(
                 out,

@@ -26,6 +26,7 @@ from jagg_pipeline.artifacts import METRICS_NAME, append_metrics, atomic_write_j
 from jagg_pipeline.grpo import group_advantages
 from jagg_pipeline.manifest import begin_output, check_input, finish_output
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
+from jagg_pipeline.startup import StageClock
 from jagg_pipeline.tables import write_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
@@ -134,6 +135,7 @@ def run_score(
     ``backbone.device``). Writes the folder ``out`` (table, summary, metrics, resolved config,
     manifest last); returns what it wrote.
     """
+    clock = StageClock.start()
     rollouts, out = Path(rollouts), Path(out)
     made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
     batch = load_rollout(rollouts)
@@ -146,12 +148,15 @@ def run_score(
         eps=config.advantage.eps,
         clip=config.advantage.clip,
     )
+    clock.lap("load")
     scores = score_rollout(batch, reward, config.advantage, chunk)
+    clock.lap("work")
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, [METRICS_NAME])
     write_table(table_path(out), scores.rows)
     atomic_write_json(out / SUMMARY_NAME, scores.summary)
-    append_metrics(out, STAGE, made.get("seeds", {}).get("round", 0), 0, _flat_summary(scores))
+    metrics = _flat_summary(scores) | {"time": clock.record()}
+    append_metrics(out, STAGE, made.get("seeds", {}).get("round", 0), 0, metrics)
     finish_output(
         out,
         config,

@@ -1,15 +1,16 @@
 """An experiment's comparison: every run's stage metrics in one table, the curves, the verdict.
 
-Reads only finished stage folders of the run layout (:mod:`jagg_pipeline.experiments`):
-``round-<r>/scores/metrics.jsonl`` (training reward of each round's rollout),
-``round-<r>/checkpoint/metrics.jsonl`` (one line per optimizer step) and
+Reads only finished outputs of the run layout (:mod:`jagg_pipeline.experiments`): each round's
+kept metric lines ``round-<r>/metrics/{rollout,score,train}.jsonl`` (:func:`read_run`; training
+reward of the round's rollout, one line per optimizer step) and
 ``eval/trained-<n>/`` (held-out metrics after n rounds: ``metrics.jsonl``, ``metrics.json``). Writes
 ``metrics.jsonl`` (every line of every run, tagged with experiment, variant and seed: the table
 the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: evaluation base
 -> final, rise, training reward, update-stage seconds per round; a variant of one seed shows
-its values alone) and ``curves.png`` (evaluation metrics and training reward vs round, seed
-bands; integer round ticks) and ``grids/`` (the evaluation grids of the base policy and the
-final checkpoint of every run). Torch-free.
+its values alone; below it, per stage, the median seconds of a job's start-up, loading and
+work, :mod:`jagg_pipeline.startup`) and ``curves.png`` (evaluation metrics and training
+reward vs round, seed bands; integer round ticks) and ``grids/`` (the evaluation grids of the
+base policy and the final checkpoint of every run). Torch-free.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from typing import Any
 
 import yaml
 
-from jagg_pipeline.artifacts import METRICS_NAME, atomic_output, atomic_write_text
+from jagg_pipeline.artifacts import (
+    METRICS_NAME,
+    ROUND_STAGES,
+    atomic_output,
+    atomic_write_text,
+    round_record,
+)
 from jagg_pipeline.configtools import digest
+from jagg_pipeline.startup import PARTS
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
+# The stages that run as jobs, in pipeline order: the rows of the start-up table.
+JOB_STAGES = ("rollout", "score", "train", "evaluate")
 
 
 @dataclass
@@ -64,7 +74,13 @@ def setting_digest(config: Mapping[str, Any]) -> str:
 
 
 def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
-    """The metrics of the run in ``directory`` (every round and evaluation found there)."""
+    """The metrics of the run in ``directory`` (every round and evaluation found there).
+
+    A round's lines come from its kept records only, ``round-<r>/metrics/<stage>.jsonl``
+    (:func:`~jagg_pipeline.artifacts.round_record`, stages rollout, score, train): the
+    workflow and :mod:`jagg_pipeline.loop` copy each stage folder's metrics.jsonl there, and
+    the stage folders themselves may be gone (``workflow.keep_every``).
+    """
     directory = Path(directory)
     run = RunMetrics(variant, seed)
     if (directory / "config.yaml").is_file():
@@ -72,8 +88,8 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
         run.mode = str((config.get("jagg") or {}).get("mode", ""))
         run.setting = setting_digest(config)
     for round_dir in sorted(directory.glob("round-*")):
-        for stage in ("rollout", "scores", "checkpoint"):
-            path = round_dir / stage / METRICS_NAME
+        for stage in ROUND_STAGES:
+            path = round_record(round_dir, stage)
             if path.is_file():
                 run.lines.extend(_jsonl(path))
     for eval_dir in sorted(directory.glob("eval/trained-*")):
@@ -209,6 +225,50 @@ def _evaluation_table(summary: Mapping[str, Any], metrics: Sequence[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def stage_seconds(runs: Sequence[RunMetrics]) -> dict[str, dict[str, Any]]:
+    """Per stage: its jobs and their median import, load and work seconds (None: unmeasured).
+
+    A job is a line with ``time.load`` (train: its first step's); the medians are over every
+    job of ``runs``. Import is measured in ``python -m jagg_pipeline`` processes only.
+    """
+    stages: dict[str, dict[str, Any]] = {}
+    for stage in JOB_STAGES:
+        jobs = [line for run in runs for line in run.stage(stage) if "time.load" in line]
+        if not jobs:
+            continue
+        stages[stage] = {"jobs": len(jobs)}
+        for part in PARTS:
+            values = [job[f"time.{part}"] for job in jobs if job.get(f"time.{part}") is not None]
+            stages[stage][part] = statistics.median(values) if values else None
+    return stages
+
+
+def stage_table(stages: Mapping[str, Mapping[str, Any]]) -> str:
+    """Markdown of :func:`stage_seconds` (after a blank line), or "" when no job recorded any.
+
+    The overhead is import + load; its share is of import + load + work ("-" where import
+    was not measured).
+    """
+    if not stages:
+        return ""
+    lines = [
+        "",
+        "Start-up: median seconds per job (import: process start to the stage; load: inputs "
+        "and models; work: sampling, scoring, training).",
+        "",
+        "| stage | jobs | import s | load s | work s | overhead share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for stage, s in stages.items():
+        cells = ["-" if s[part] is None else f"{s[part]:.2f}" for part in PARTS]
+        share = "-"
+        if s["import"] is not None:
+            overhead = s["import"] + s["load"]
+            share = f"{overhead / (overhead + s['work']):.0%}"
+        lines.append(f"| {stage} | {s['jobs']} | {' | '.join(cells)} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
     """One panel per evaluation metric plus the training reward, vs round, with seed bands.
 
@@ -280,6 +340,7 @@ def write_summary(
             shutil.copyfile(run.grids[trained], grids / name)
     summary = summarise(list(read.values()))
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    atomic_write_text(out / "table.md", (f"## {title}\n\n" if title else "") + table(summary))
+    markdown = table(summary) + stage_table(stage_seconds(list(read.values())))
+    atomic_write_text(out / "table.md", (f"## {title}\n\n" if title else "") + markdown)
     plot(summary, out / "curves.png", title)
     return summary

@@ -43,16 +43,17 @@ from typing import Any
 import torch
 
 from jagg_pipeline import checkpoint as ckpt
-from jagg_pipeline import distributed, jagg
+from jagg_pipeline import distributed, jagg, shards
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
 from jagg_pipeline.objective import GRPOStepLoss
 from jagg_pipeline.optim import Ema, build_optimizer
 from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
 from jagg_pipeline.scoring import table_path
+from jagg_pipeline.startup import StageClock
 from jagg_pipeline.tables import read_table
 from jagg_pipeline.timing import ForwardClock
-from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
+from jagg_pipeline.trajectories import RolloutReader
 
 _TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
 
@@ -70,7 +71,7 @@ class TrainInputError(InputError):
 class RoundData:
     """A scored rollout, checked: trajectories, advantages, rewards and the sampling batches."""
 
-    batch: TrajectoryBatch
+    batch: RolloutReader  # each rank reads the trajectories of its own samples only
     advantages: torch.Tensor  # [B] float32, from the score table
     rewards: dict[str, torch.Tensor]  # each reward column and "total", [B]
     micro_batches: list[list[int]]  # sample indices, as the rollout sampled them
@@ -93,7 +94,7 @@ def _check_policy_source(rollouts: Path, made: dict[str, Any], policy: str | Pat
         raise TrainInputError(f"{err}; sample the rollouts from --policy {policy}") from None
 
 
-def _table_rows(path: Path, batch: TrajectoryBatch, reward_names: Sequence[str]) -> list[dict]:
+def _table_rows(path: Path, batch: RolloutReader, reward_names: Sequence[str]) -> list[dict]:
     rows = read_table(path)
     if len(rows) != len(batch):
         raise TrainInputError(f"{path}: {len(rows)} rows for a rollout of {len(batch)} samples")
@@ -138,7 +139,7 @@ def load_round_data(
     scored = check_input(rewards, stage="score", config=config, sections=list(SCORE_SECTIONS))
     check_derived_from(rewards, scored, "rollouts", rollouts)
     _check_policy_source(rollouts, made, policy)
-    batch = load_rollout(rollouts)
+    batch = RolloutReader(rollouts)
     names = list(config.rewards.weights)
     rows = _table_rows(table_path(rewards), batch, names)
     return RoundData(
@@ -176,8 +177,9 @@ def plan_steps(
     if per_step % world_size:
         raise TrainInputError(
             f"{per_step} micro-batches per optimizer step cannot be split evenly over "
-            f"{world_size} processes (train.nproc / torchrun --nproc_per_node); change "
-            "train.minibatches, sampler.prompts_per_round or sampler.batch_size"
+            f"{world_size} processes (train.nodes x train.nproc / torchrun --nnodes x "
+            "--nproc_per_node); change train.minibatches, sampler.prompts_per_round or "
+            "sampler.batch_size"
         )
     order = torch.randperm(num_micro_batches, generator=generator).tolist()
     per_rank = per_step // world_size
@@ -374,7 +376,9 @@ class _Trainer:
         self.clock = ForwardClock(ctx.device)
         mixed = config.backbone.mixed_precision == "bf16"
 
-        self.backbone = load_policy(config, policy, ctx.device, for_training=True)
+        # Every rank loads the base model, shards it, then reads only its own shards of the
+        # previous round's weights, optimizer state and EMA.
+        self.backbone = load_policy(config, BASE, ctx.device, for_training=True)
         distributed.shard_backbone(self.backbone, ctx, mixed_precision=mixed)
         self.velocity = self.clock.wrap(self.backbone.velocity)
         self.reference = None
@@ -388,14 +392,31 @@ class _Trainer:
         self.params = list(self.named.values())
 
         self.optimizer, self.scheduler = build_optimizer(self.params, train)
+        self.ema = None if train.ema_decay is None else Ema(self.named, train.ema_decay)
         if previous is not None:
-            state = ckpt.read_optimizer_state(policy) if ctx.is_main else {}
-            distributed.load_optimizer_state_dict(transformer, self.optimizer, state)
-            self.scheduler.load_state_dict(previous.scheduler)
-        self.ema = None
-        if train.ema_decay is not None:
-            saved = None if previous is None else ckpt.read_ema_state(policy)
-            self.ema = Ema(self.named, train.ema_decay, saved)
+            self._resume(policy, previous)
+
+    def _resume(self, checkpoint: str | Path, previous: ckpt.TrainerState) -> None:
+        """Continue from ``checkpoint``: this rank's shards of its weights, optimizer, EMA."""
+        from jagg_pipeline.policy import check_checkpoint, load_weights, policy_weights_dir
+
+        check_checkpoint(self.config, checkpoint)
+        transformer = self.backbone.transformer
+        weights = distributed.model_state_dict(transformer)
+        load_weights(weights, policy_weights_dir(checkpoint), collective=True)
+        distributed.load_model_state_dict(transformer, weights)
+        optimizer = distributed.optimizer_state_dict(transformer, self.optimizer)
+        shards.load(optimizer, ckpt.optimizer_dir(checkpoint))
+        distributed.load_optimizer_state_dict(transformer, self.optimizer, optimizer)
+        self.scheduler.load_state_dict(previous.scheduler)
+        if self.ema is not None:
+            saved = ckpt.ema_dir(checkpoint)
+            if saved is None:
+                raise TrainInputError(
+                    f"{checkpoint}: has no EMA weights, but train.ema_decay is set; start "
+                    "from base or keep train.ema_decay as that run had it"
+                )
+            load_weights(self.ema.shadow, saved, collective=True, what="EMA weights")
 
     def micro_batch(
         self,
@@ -565,8 +586,8 @@ class _Trainer:
         """Everything the checkpoint holds, gathered to rank 0 (collectives: every rank)."""
         transformer = self.backbone.transformer
         return ckpt.CheckpointContents(
-            model_state=distributed.full_model_state_dict(transformer),
-            optimizer_state=distributed.full_optimizer_state_dict(transformer, self.optimizer),
+            model_state=distributed.model_state_dict(transformer),
+            optimizer_state=distributed.optimizer_state_dict(transformer, self.optimizer),
             rng_state=self.generator.get_state(),
             trainer=ckpt.TrainerState(
                 round=round_index,
@@ -577,7 +598,7 @@ class _Trainer:
                 world_size=self.ctx.world_size,
             ),
             metrics=metrics,
-            ema_state=None if self.ema is None else self.ema.full_state(),
+            ema_state=None if self.ema is None else self.ema.shadow,
         )
 
 
@@ -636,32 +657,23 @@ def _save(
     policy: str | Path,
     inputs: dict[str, Path],
 ) -> None:
-    """Rank 0 writes the checkpoint; every rank raises if it refused (non-finite state)."""
+    """Every rank writes its shards of the checkpoint, rank 0 the rest (a collective)."""
     config, ctx = trainer.config, trainer.ctx
     round_index = contents.trainer.round
-    failure = None
-    if ctx.is_main:
-        try:
-            ckpt.write_checkpoint(
-                out,
-                trainer.backbone,
-                contents,
-                config=config,
-                seeds={"train": config.train.seed, "round": round_index},
-                inputs=inputs,
-                extra={
-                    "round": round_index,
-                    "policy": str(policy),
-                    "world_size": ctx.world_size,
-                    "global_step": contents.trainer.global_step,
-                    "skipped_steps": contents.trainer.skipped_steps,
-                },
-            )
-        except ckpt.NonFiniteError as err:
-            failure = str(err)
-    failure = distributed.broadcast_object(failure)
-    if failure is not None:
-        raise ckpt.NonFiniteError(failure)
+    ckpt.write_checkpoint(
+        out,
+        contents,
+        config=config,
+        seeds={"train": config.train.seed, "round": round_index},
+        inputs=inputs,
+        extra={
+            "round": round_index,
+            "policy": str(policy),
+            "world_size": ctx.world_size,
+            "global_step": contents.trainer.global_step,
+            "skipped_steps": contents.trainer.skipped_steps,
+        },
+    )
 
 
 def train_round(
@@ -680,6 +692,7 @@ def train_round(
     job calls this; without torchrun it runs as a world of one. ``progress``: a progress bar
     (on a terminal) or one line per optimizer step on stderr, from rank 0.
     """
+    clock = StageClock.start()
     from jagg_pipeline.policy import BASE, policy_weights_dir
 
     # Load: the round's inputs, checked against each other and the policy.
@@ -696,10 +709,10 @@ def train_round(
     if previous is not None:
         inputs["policy"] = policy_weights_dir(policy)
     with distributed.distributed(config.backbone.device) as ctx, _deterministic():
-        if ctx.is_main and ctx.world_size != config.train.nproc:
+        if ctx.is_main and ctx.world_size != config.train.world_size:
             print(
-                f"warning: running on {ctx.world_size} processes, train.nproc is "
-                f"{config.train.nproc}",
+                f"warning: running on {ctx.world_size} processes, train.nodes x train.nproc "
+                f"is {config.train.world_size}",
                 file=sys.stderr,
             )
         # Build: the sharded policy, optimizer, schedule, EMA.
@@ -710,6 +723,7 @@ def train_round(
             len(data.micro_batches), config.train.minibatches, ctx.world_size, trainer.generator
         )
         order = [m for step in plan for rank in step for m in rank]
+        clock.lap("load")
         probe_start = time.perf_counter()
 
         def probe() -> list[dict[str, Any]]:
@@ -731,6 +745,9 @@ def train_round(
         metrics = _run_steps(
             trainer, data, plan, windows, routing, round_index, (probes, probe_seconds), progress
         )
+        clock.lap("work")
+        # The job's seconds go on its first step's line: tracking sums time.* over a round.
+        metrics[0]["time"].update(clock.record())
         if all(row["skipped"] for row in metrics) and not config.train.allow_skipped_round:
             raise ckpt.NonFiniteError(
                 f"round {round_index}: all {len(metrics)} optimizer step(s) were skipped (the "

@@ -80,6 +80,13 @@ BAD = {
     "beta negative": ("train: {betas: [-0.1, 0.999]}", "train.betas", "[0, 1)"),
     "weight decay negative": ("train: {weight_decay: -0.01}", "train.weight_decay", "minimum"),
     "nproc zero": ("train: {nproc: 0}", "train.nproc", "minimum"),
+    "nproc over micro-batches": ("train: {nproc: 3}", "train.nproc", "cannot share"),
+    "nodes zero": ("train: {nodes: 0}", "train.nodes", "minimum"),
+    "nodes x nproc over micro-batches": (
+        "train: {nodes: 2, nproc: 4}",
+        "train.nodes",
+        "8 processes (train.nodes 2 x train.nproc 4)",
+    ),
     "rounds zero": ("train: {rounds: 0}", "train.rounds", "minimum"),
     "ema decay 1.5": ("train: {ema_decay: 1.5}", "train.ema_decay", "maximum"),
     "seed negative": ("train: {seed: -1}", "train.seed", "minimum"),

@@ -56,8 +56,9 @@ def test_fsdp_sums_rank_gradients_and_reduces_once_per_group(tiny_sd3, tmp_path)
 @pytest.mark.slow
 def test_two_processes_make_the_same_update_as_one(tiny_sd3, base_rollout, tmp_path):
     """Test 1: one optimizer step under torchrun -nproc 2 equals the one-process step, in
-    round 0 and in round 1 resumed from a one-process checkpoint (optimizer state and EMA
-    re-sharded over two ranks).
+    round 0 and in round 1 resumed from a one-process checkpoint (1 -> 2: weights, optimizer
+    state and EMA re-sharded over two ranks) and from a two-process one (2 -> 1: each rank
+    wrote only its shards; one process reads both).
 
     float64; both micro-batches in one step (one per rank under torchrun), a jagg and an
     exact window, EMA on. Tolerance: 1e-12 absolute on weights that move by ~1e-4
@@ -91,6 +92,11 @@ def test_two_processes_make_the_same_update_as_one(tiny_sd3, base_rollout, tmp_p
         max_difference(read_ema_state(one_next), read_ema_state(two_next)) <= 1e-12
         and max_difference(read_ema_state(one_next), read_ema_state(one)) > 0
     )
+    # Round 1 from the two-process checkpoint, in one and in two processes.
+    rollout = train_helpers.scored_rollout(config, tmp_path / "r1-two", two, round_index=1)
+    from_two = [train(two, rollout, "two-one", None), train(two, rollout, "two-two", 2)]
+    _assert_same_update(*from_two, policy_weights(two))
+    assert max_difference(*(read_ema_state(c) for c in from_two)) <= 1e-12
 
 
 def _assert_same_update(one, two, before):

@@ -93,7 +93,7 @@ def test_damaged_or_foreign_checkpoints_are_refused_when_sampling_from_them(
     with pytest.raises(ManifestError, match=rf"^{checkpoint}: was made with a different config"):
         run_rollout(other, checkpoint, "toy:train", out, round_index=1, progress=False)
     # Cut weights: refused naming the weight file, before the rollout folder is touched.
-    weights = next((checkpoint / "policy").glob("*.safetensors"))
+    weights = next((checkpoint / "policy").glob("*.distcp"))
     _cut(weights)
     with pytest.raises(ManifestError, match=rf"^{weights}: corrupt or changed"):
         run_rollout(config, checkpoint, "toy:train", out, round_index=1, progress=False)

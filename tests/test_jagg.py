@@ -526,3 +526,30 @@ def test_velocities_stored_in_a_finer_precision_than_training_computes_are_refus
     kept = [w for w in run(rounded).windows if len(w.steps) > 2]
     assert not any(w.reuse_rejected for w in kept)
     assert all(w.reused_rows == len(w.steps) - 2 for w in kept)
+
+
+@pytest.mark.parametrize(
+    ("window", "routed", "mode", "no_interp", "expected"),
+    [
+        (4, None, "jagg", "drop", list(range(8))),  # windows 0-3, 4-7, 8-9: the last has none
+        (4, [True, False, True], "jagg", "drop", [0, 1, 2, 3]),
+        (4, [False, True, True], "no_interp", "nearest", [4, 5, 6, 7]),
+        (4, None, "no_interp", "drop", []),  # interior signals dropped: no interior forwards
+        (4, None, "exact", "drop", []),
+        (2, None, "jagg", "drop", []),  # windows of two steps have no interiors
+        (3, [True, True, True, False], "jagg", "drop", list(range(9))),
+    ],
+)
+def test_reusable_steps_are_the_approximated_windows_with_interiors(
+    window, routed, mode, no_interp, expected
+):
+    steps = list(range(10))
+    got = jagg.reusable_steps(steps, window, routed, mode, no_interp)
+    # Brute force: a step is kept when its window is approximated, has an interior step that
+    # the mode uses, and so needs the endpoints that vouch for the interiors.
+    windows = [steps[i : i + window] for i in range(0, 10, window)]
+    flags = routed or [True] * len(windows)
+    uses_interiors = mode == "jagg" or (mode == "no_interp" and no_interp == "nearest")
+    pairs = zip(windows, flags, strict=True)
+    brute = [k for w, r in pairs if r and uses_interiors and len(w) >= 3 for k in w]
+    assert got == brute == expected

@@ -49,3 +49,52 @@ def test_inconsistent_batches_and_rollouts_are_refused(tmp_path):
     good.save(tmp_path, rank=1)
     with pytest.raises(InputError, match=r"shards \[1\] are not 0..0"):
         load_rollout(tmp_path)
+
+
+def test_the_reader_reads_only_the_samples_asked_for(tmp_path, monkeypatch):
+    """Two shards dealt round-robin (as two rollout ranks write them), velocities at a subset
+    of the trained steps: any selection equals the same rows of the whole rollout, and only
+    the selected rows are read from the files."""
+    from jagg_pipeline import trajectories
+
+    whole = batch(n=6)
+    whole.velocities = torch.randn(6, 1, 3, 4, 4)
+    whole.velocity_steps = [1]
+    whole.sample_ids = torch.arange(6)
+    whole.select([0, 1, 4, 5]).save(tmp_path, rank=0)
+    whole.select([2, 3]).save(tmp_path, rank=1)
+    reads = []
+    read_rows = trajectories._read_rows
+
+    def counting(handle, name, rows):
+        reads.append((name, len(rows)))
+        return read_rows(handle, name, rows)
+
+    monkeypatch.setattr(trajectories, "_read_rows", counting)
+    reader = trajectories.RolloutReader(tmp_path)
+    assert len(reader) == 6 and reader.trained_steps == [0, 1] and reads == []
+    part = reader.select([5, 2, 0])
+    expected = whole.select([5, 2, 0])
+    for name in ("latents", "log_probs", "prompt_ids", "group_ids", "seeds", "velocities"):
+        assert torch.equal(getattr(part, name), getattr(expected, name)), name
+    assert torch.equal(part.cond["prompt_embeds"], expected.cond["prompt_embeds"])
+    assert part.images is None and part.velocity_steps == [1]
+    assert list(part.step_velocities()) == [1]
+    assert sum(rows for name, rows in reads if name == "latents") == 3
+    assert {name for name, _ in reads} == {
+        "latents",
+        "log_probs",
+        "velocities",
+        "cond.prompt_embeds",
+    }
+    everything = load_rollout(tmp_path)
+    assert torch.equal(everything.images, whole.images)
+    assert torch.equal(everything.velocities, whole.velocities)
+
+
+def test_a_rollout_with_a_sample_missing_or_twice_is_refused(tmp_path):
+    whole = batch(n=4)
+    whole.sample_ids = torch.tensor([0, 1, 1, 3])
+    whole.save(tmp_path)
+    with pytest.raises(InputError, match=r"sample_ids are not 0..3"):
+        load_rollout(tmp_path)

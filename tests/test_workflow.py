@@ -91,7 +91,13 @@ def test_stage_digests_cover_exactly_what_each_stage_reads():
         for s in ("rollout", "score", "train", "evaluate")
         if stage_digest(config, s) != stage_digest(edited, s)
     }
-    assert changed == {"train", "evaluate"}
+    # jagg_frac decides which windows are approximated, hence which velocities a rollout stores.
+    assert changed == {"rollout", "train", "evaluate"}
+    frozen = resolve_runs({**data, "grpo": {"clip_range": 1e-3}})["all/jagg/seed-0"].config
+    changed = {
+        s for s in ("rollout", "score") if stage_digest(config, s) != stage_digest(frozen, s)
+    }
+    assert not changed  # the objective's settings reach training only
 
 
 def test_train_rule_launches_torchrun_for_several_processes(tmp_path):
@@ -198,7 +204,8 @@ def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_k
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_checkpoint(results / "exact/seed-0/round-0001/checkpoint", reference)
 
-    # Editing one variant's jagg_frac reruns that variant's training (and what follows it).
+    # Editing one variant's jagg_frac reruns that variant's rollouts (the velocities they store
+    # depend on it) and training, and what follows them.
     before = {v: _mtimes(results / v / "seed-0") for v in ("exact", "jagg")}
     edited = json.loads(json.dumps(REDUCED))
     edited["workflow"]["experiments"]["all"]["variants"]["jagg"]["jagg"]["jagg_frac"] = 0.5
@@ -212,6 +219,5 @@ def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_k
         for p in after
         if after[p] != before["jagg"].get(p)
     }
-    assert ("round-0000", "checkpoint") in changed
-    assert ("round-0000", "rollout") not in changed  # sampling reads no jagg setting
+    assert {("round-0000", "checkpoint"), ("round-0000", "rollout")} <= changed
     assert ("eval", "trained-0000") not in changed  # the base policy is the same

@@ -115,12 +115,10 @@ def forged_scores(scores: Path, target: Path, rows: list[dict], *, reseal: bool 
 
 
 def policy_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The weights a checkpoint's ``policy/`` holds (full or LoRA)."""
-    from safetensors.torch import load_file
+    """The weights a checkpoint's ``policy/`` holds (full or LoRA), read in this process."""
+    from jagg_pipeline import shards
 
-    files = sorted((checkpoint / "policy").glob("*.safetensors"))
-    assert len(files) == 1, files
-    return load_file(str(files[0]))
+    return shards.read(checkpoint / "policy")
 
 
 def base_weights(pipeline: Path) -> dict[str, torch.Tensor]:

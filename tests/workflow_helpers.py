@@ -59,8 +59,17 @@ def write_config(workdir: Path, data: dict) -> Path:
     return path
 
 
-# Files whose content includes wall-clock timings, so differ between any two runs.
-TIMED_FILES = ("metrics.jsonl", "table.md", "index.html", "speed.png")
+# Files whose content includes wall-clock timings, so differ between any two runs (a round's
+# kept metric lines, round-<r>/metrics/<stage>.jsonl, too).
+TIMED_FILES = (
+    "metrics.jsonl",
+    "rollout.jsonl",
+    "score.jsonl",
+    "train.jsonl",
+    "table.md",
+    "index.html",
+    "speed.png",
+)
 
 
 def _without_timings(value: Any) -> Any:

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
               samples.jsonl   one row per image: image, prompt_id, prompt, sample, seed, scores
               images/         PPPP_SS.png (prompt, sample)
               grid.png        one row per prompt, its text and mean scores beside it
-              metrics.jsonl   one flat line (stage, round = rounds trained, metric means/stds)
+              metrics.jsonl   one flat line (stage, round = rounds trained, metric means/stds,
+                              time: import, load, work)
               config.yaml     the resolved config
               manifest.json   stage, version, config digests, seeds, input digests"""
         ),

@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         seeds, sample_ids [B], cond.* (prompt conditioning),
                                         images uint8 [B, 3, H, W]
               shard-<rank>.json         the round's prompts
-              metrics.jsonl             one flat line: stage, round, samples, seconds
+              metrics.jsonl             one flat line: stage, round, samples, seconds,
+                                        time (import, load, work)
               config.yaml               the resolved config
               manifest.json             stage, version, config digests, seeds, input digests,
                                         micro-batches, trained steps (written last)"""

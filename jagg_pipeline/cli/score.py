@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
               scores.parquet  one row per sample in rollout order: sample, prompt_id, group,
                               <reward>..., total, advantage, group_mean, group_std
               summary.json    reward means, zero-std groups
-              metrics.jsonl   one flat line: stage, round, total mean/std, reward means
+              metrics.jsonl   one flat line: stage, round, total mean/std, reward means,
+                              time (import, load, work)
               config.yaml     the resolved config
               manifest.json   stage score, config digests, input rollouts (written last)"""
         ),

@@ -17,11 +17,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "summarize",
         help=HELP,
         description=(
-            "Reads the finished stage folders of each run (round-*/scores, "
-            "round-*/checkpoint, eval/trained-*) and writes into OUT: metrics.jsonl (every "
+            "Reads the finished outputs of each run (round-*/metrics/{rollout,score,train}"
+            ".jsonl, eval/trained-*) and writes into OUT: metrics.jsonl (every "
             "metric line of every run, tagged with run, variant and seed), summary.json, "
             "table.md (per variant, mean +- std over seeds: held-out metrics base -> final "
-            "and their rise, rollout reward, update-stage seconds per round) and curves.png."
+            "and their rise, rollout reward, update-stage seconds per round; then per stage the "
+            "median import, load and work seconds of a job) and curves.png."
         ),
     )
     add_run_argument(p, "a run folder and its variant and seed; repeat for every run")

@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "track",
         help=HELP,
         description=(
-            "Reads each run's folders (config.yaml, round-*/{rollout,scores,checkpoint}/"
-            "metrics.jsonl, eval/trained-*) and pushes them as one MLflow run per variant and "
+            "Reads each run's folders (config.yaml, round-*/metrics/{rollout,score,train}"
+            ".jsonl, eval/trained-*) and pushes them as one MLflow run per variant and "
             "seed under a parent run per target, into tracking.experiment at "
             "MLFLOW_TRACKING_URI or tracking.uri. Idempotent: a second push adds only what is "
             "new. With tracking.backend: none, nothing is pushed and mlflow is not imported."

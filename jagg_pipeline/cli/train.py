@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
               metrics.jsonl                 one line per optimizer step: loss, clipfrac,
                                             approx_kl, grad_norm, lr, reward stats, backward
                                             calls, windows, time (forward, backward,
-                                            optimizer), probe (when probed)
+                                            optimizer; the job's import, load, work on
+                                            the first step), probe (when probed)
               config.yaml, manifest.json    resolved config; manifest written last"""
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

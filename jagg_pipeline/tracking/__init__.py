@@ -237,10 +237,13 @@ def run_metrics(run: TrackedRun) -> RunMetrics:
         setting=run.tags.get("jagg_setting", ""),
     )
     for line in metrics.stage("evaluate"):
+        # The line's time.* keys are the stage's seconds (jagg_pipeline.startup), not metrics.
         metrics.evaluations[line["round"]] = {
             key: value
             for key, value in line.items()
-            if key not in ("stage", "round", "step") and not key.endswith("_std")
+            if key not in ("stage", "round", "step")
+            and not key.endswith("_std")
+            and not key.startswith("time.")
         }
     return metrics
 

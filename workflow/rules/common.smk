@@ -4,13 +4,14 @@
 # (jagg_pipeline.experiments and jagg_pipeline.config).
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.artifacts import atomic_write_text
+from jagg_pipeline.artifacts import ROUND_RECORDS, atomic_write_text
 from jagg_pipeline.configtools import digest, read_yaml, to_dict
 from jagg_pipeline.experiments import merge, resolve_runs, split, stage_digest
 
@@ -133,9 +134,59 @@ def _toyworld_inputs(config):
     return inputs
 
 
+# Retention (workflow.keep_every). A kept round's checkpoint and rollout live in round-<r>/
+# and stay; the other rounds' live in round-<r>/transient/, outputs of the rules
+# train_transient and rollout_transient (temp(): Snakemake deletes them once no job needs
+# them). Two rules, because which rounds are kept depends on the run (its train.rounds and
+# eval.every), and a wildcard constraint cannot depend on another wildcard. Every round keeps
+# its metric lines in round-<r>/metrics/<stage>.jsonl (round_record), which summary and track
+# read.
+TRANSIENT = "transient"
+# Checkpoints that evaluation runs name (workflow.evaluations.*.policies.*.checkpoint) are
+# kept too, whatever their round.
+EVALUATED_CHECKPOINTS = {
+    os.path.normpath(run.policy)
+    for run in RUNS.values()
+    if run.policy is not None and run.policy != "base"
+}
+
+
+def round_record(stage):
+    """The pattern of a round's kept metric lines of ``stage`` (rollout, score, train)."""
+    return f"{RUN}/round-{{round}}/{ROUND_RECORDS}/{stage}.jsonl"
+
+
+def round_folder(run, round_index):
+    """``round-<r>/`` of ``run``."""
+    return f"{run.directory}/round-{round_index:04d}"
+
+
+def kept_round(run, round_index):
+    """Whether round ``round_index`` of ``run`` keeps its checkpoint and rollout: a kept
+    round of the run (workflow.keep_every), or one an evaluation names."""
+    if round_index in run.kept_rounds:
+        return True
+    named = os.path.normpath(f"{round_folder(run, round_index)}/checkpoint")
+    return named in EVALUATED_CHECKPOINTS
+
+
+def _stage_folder(run, round_index, stage):
+    folder = round_folder(run, round_index)
+    if kept_round(run, round_index):
+        return f"{folder}/{stage}"
+    return f"{folder}/{TRANSIENT}/{stage}"
+
+
 def checkpoint_dir(run, round_index):
-    """The checkpoint written by training round ``round_index`` of ``run``."""
-    return f"{run.directory}/round-{round_index:04d}/checkpoint"
+    """The checkpoint written by training round ``round_index`` of ``run`` (round-<r>/
+    checkpoint when the round is kept, else round-<r>/transient/checkpoint)."""
+    return _stage_folder(run, round_index, "checkpoint")
+
+
+def rollout_dir(run, round_index):
+    """The rollout sampled in round ``round_index`` of ``run`` (kept or transient, as its
+    checkpoint)."""
+    return _stage_folder(run, round_index, "rollout")
 
 
 def _policy(run, trained):
@@ -157,22 +208,51 @@ def rollout_policy(wildcards):
     return _policy(run_of(wildcards), int(wildcards.round))
 
 
+def score_inputs(wildcards):
+    """The round's rollout (kept or transient)."""
+    return {"rollouts": rollout_dir(run_of(wildcards), int(wildcards.round))}
+
+
 def train_inputs(wildcards):
     """The round's rollout and scores, and the policy it continues from."""
+    run, round_index = run_of(wildcards), int(wildcards.round)
     inputs = rollout_inputs(wildcards)
-    directory = f"{run_of(wildcards).directory}/round-{wildcards.round}"
-    inputs.update(rollouts=f"{directory}/rollout", scores=f"{directory}/scores")
+    inputs.update(
+        rollouts=rollout_dir(run, round_index),
+        scores=f"{round_folder(run, round_index)}/scores",
+    )
     return inputs
 
 
+# The c10d rendezvous of a multi-node training job: on the job's first node (the plugin's
+# job step passes SLURM_JOB_ID but not SLURM_JOB_NODELIST to the command, so the node list
+# comes from squeue then), at torchrun's default port plus the job id modulo 10000 (two jobs
+# that share a first node do not collide).
+_HEAD_NODE = (
+    'scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs '
+    '"$SLURM_JOB_ID" --format %N)}" | head -n 1'
+)
+_RDZV_ENDPOINT = f'"$({_HEAD_NODE}):$((29500 + SLURM_JOB_ID % 10000))"'
+
+
 def train_launcher(wildcards):
-    """``torchrun`` over train.nproc processes, or the plain interpreter for one."""
-    nproc = run_of(wildcards).config.train.nproc
-    if nproc > 1:
+    """How the train command starts: the plain interpreter for one process; torchrun
+    --standalone over train.nproc processes on one node; for train.nodes > 1 (a SLURM job),
+    srun starting one torchrun agent per node (train.nproc processes each), joined by a c10d
+    rendezvous on the job's first node."""
+    train = run_of(wildcards).config.train
+    python = shlex.quote(PYTHON)
+    if train.nodes > 1:
         return (
-            f"{PYTHON} -m torch.distributed.run --standalone --nproc_per_node {nproc}"
+            f"srun --nodes {train.nodes} --ntasks {train.nodes} --ntasks-per-node 1"
+            f" --cpus-per-task {train.nproc} --kill-on-bad-exit=1"
+            f" {python} -m torch.distributed.run --nnodes {train.nodes}"
+            f" --nproc_per_node {train.nproc} --rdzv_backend c10d"
+            f' --rdzv_endpoint {_RDZV_ENDPOINT} --rdzv_id "$SLURM_JOB_ID"'
         )
-    return PYTHON
+    if train.nproc > 1:
+        return f"{python} -m torch.distributed.run --standalone --nproc_per_node {train.nproc}"
+    return python
 
 
 def evaluate_inputs(wildcards):
@@ -312,16 +392,78 @@ def evaluate_gpus(wildcards):
 
 
 def train_gpus(wildcards):
-    """One GPU per training process (train.nproc) when the policy runs on CUDA."""
+    """One GPU per training process (train.nproc) when the policy runs on CUDA; none for a
+    multi-node job, whose GPUs per node are its ``gres`` (:func:`train_slurm`)."""
     config = run_of(wildcards).config
+    if config.train.nodes > 1:
+        return None
     count = config.train.nproc if _on_cuda(config.backbone.device) else 0
     why = f"backbone.device {config.backbone.device}, train.nproc {config.train.nproc}"
     return _gpus(run_of(wildcards).run_id, count, why)
 
 
 def train_threads(wildcards):
-    """One core per training process."""
+    """One core per training process of a node (train.nproc): a multi-node job asks for
+    them per node, as the cpus of its one task per node."""
     return run_of(wildcards).config.train.nproc
+
+
+# Without --jobs, Snakemake runs the jobs on this machine, where srun cannot start a
+# multi-node job; under --sdm apptainer the command runs in the image, which has no srun.
+RUNS_HERE = workflow.is_main_process and workflow.nodes is None
+IN_APPTAINER = any(
+    method.name == "APPTAINER" for method in workflow.deployment_settings.deployment_method
+)
+
+
+def train_slurm(run):
+    """The SLURM resources of a training job (snakemake-executor-plugin-slurm's names; None
+    leaves a resource out).
+
+    One node: ``nodes`` 1 and nothing else (GPUs: :func:`train_gpus`). Several: ``nodes`` N,
+    ``tasks`` N (sbatch --ntasks, one torchrun agent per node), ``mpi`` (the plugin's job step
+    then runs the command as it is, without wrapping it in `srun -n1`: the command's own srun
+    starts the agents), ``gres`` gpu:<train.nproc> per node when the policy runs on CUDA, and
+    ``tasks_per_gpu`` 0, which keeps the plugin from deriving --ntasks-per-gpu from ``tasks``.
+    """
+    train = run.config.train
+    if train.nodes == 1:
+        return dict(nodes=1, tasks=None, mpi=None, gres=None, tasks_per_gpu=None)
+    if RUNS_HERE:
+        raise ValueError(
+            f"{run.run_id}: train.nodes {train.nodes} needs a SLURM cluster (srun starts a "
+            "torchrun agent on each node); run with --profile workflow/profiles/slurm, or "
+            "set train.nodes: 1"
+        )
+    if IN_APPTAINER:
+        raise ValueError(
+            f"{run.run_id}: train.nodes {train.nodes} starts its agents with srun on the "
+            "host, which the apptainer image lacks; run it without --sdm apptainer (the venv "
+            "or --sdm conda), or set train.nodes: 1"
+        )
+    cuda = _on_cuda(run.config.backbone.device)
+    return dict(
+        nodes=train.nodes,
+        tasks=train.nodes,
+        mpi="srun",
+        gres=f"gpu:{train.nproc}" if cuda else None,
+        tasks_per_gpu=0 if cuda else None,
+    )
+
+
+def _train_resource(name):
+    def resource(wildcards):
+        return train_slurm(run_of(wildcards))[name]
+
+    resource.__name__ = f"train_{name}"
+    return resource
+
+
+train_nodes = _train_resource("nodes")
+train_tasks = _train_resource("tasks")
+train_mpi = _train_resource("mpi")
+train_gres = _train_resource("gres")
+train_tasks_per_gpu = _train_resource("tasks_per_gpu")
 
 
 def task_cpus(wildcards, threads):

@@ -1,11 +1,13 @@
-# Round r samples a rollout from the policy after r rounds (the base policy at r = 0).
+# Round r samples a rollout from the policy after r rounds (the base policy at r = 0), and
+# keeps its metric lines in round-<r>/metrics/rollout.jsonl.
 
 
 rule rollout:
     input:
         unpack(rollout_inputs),
     output:
-        directory(f"{RUN}/round-{{round}}/rollout"),
+        rollout=directory(f"{RUN}/round-{{round}}/rollout"),
+        metrics=round_record("rollout"),
     log:
         f"{LOGS}/{JOB}/round-{{round}}/rollout.log",
     benchmark:
@@ -31,4 +33,13 @@ rule rollout:
     shell:
         "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline rollout --config {params.config}"
         " --set backbone.device={params.device} --policy {params.policy} --round {wildcards.round}"
-        " --out {output} > {log} 2>&1"
+        " --out {output.rollout:q} > {log} 2>&1"
+        " && cp {output.rollout:q}/metrics.jsonl {output.metrics:q}"
+
+
+# The rollout of a round that keeps neither rollout nor checkpoint (workflow.keep_every):
+# deleted once the round's score and train jobs are done.
+use rule rollout as rollout_transient with:
+    output:
+        rollout=temp(directory(f"{RUN}/round-{{round}}/{TRANSIENT}/rollout")),
+        metrics=round_record("rollout"),

@@ -1,11 +1,13 @@
-# Every configured reward on a round's rollout, and the group advantages.
+# Every configured reward on a round's rollout (kept or transient), and the group advantages;
+# its metric lines are kept in round-<r>/metrics/score.jsonl.
 
 
 rule score:
     input:
-        rollouts=f"{RUN}/round-{{round}}/rollout",
+        unpack(score_inputs),
     output:
-        directory(f"{RUN}/round-{{round}}/scores"),
+        scores=directory(f"{RUN}/round-{{round}}/scores"),
+        metrics=round_record("score"),
     log:
         f"{LOGS}/{JOB}/round-{{round}}/score.log",
     benchmark:
@@ -29,4 +31,5 @@ rule score:
         digest=score_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline score --config {params.config}"
-        " --rollouts {input.rollouts} --device {params.device} --out {output} > {log} 2>&1"
+        " --rollouts {input.rollouts:q} --device {params.device} --out {output.scores:q} > {log} 2>&1"
+        " && cp {output.scores:q}/metrics.jsonl {output.metrics:q}"

@@ -1,11 +1,13 @@
-# One GRPO round on a scored rollout; its checkpoint is the next round's policy.
+# One GRPO round on a scored rollout; its checkpoint is the next round's policy. Its metric
+# lines are kept in round-<r>/metrics/train.jsonl.
 
 
 rule train:
     input:
         unpack(train_inputs),
     output:
-        directory(f"{RUN}/round-{{round}}/checkpoint"),
+        checkpoint=directory(f"{RUN}/round-{{round}}/checkpoint"),
+        metrics=round_record("train"),
     log:
         f"{LOGS}/{JOB}/round-{{round}}/train.log",
     benchmark:
@@ -14,13 +16,20 @@ rule train:
         "../../envs/pipeline.yaml"
     container:
         CONTAINERS.pipeline
-    # One core per process (torchrun starts train.nproc of them), each on one OpenMP thread.
+    # One core per process (torchrun starts train.nproc of them on each node), each on one
+    # OpenMP thread.
     threads: train_threads
     resources:
         mem_mb=16000,
         runtime=120,
         gpu=train_gpus,
         cpus_per_task=task_cpus,
+        # train.nodes > 1: one task per node and the GPUs per node (see train_slurm).
+        nodes=train_nodes,
+        tasks=train_tasks,
+        mpi=train_mpi,
+        gres=train_gres,
+        tasks_per_gpu=train_tasks_per_gpu,
     params:
         config=run_config_file,
         policy=rollout_policy,
@@ -31,4 +40,13 @@ rule train:
         "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
         " --config {params.config} --set backbone.device={params.device}"
         " --policy {params.policy} --rollouts {input.rollouts} --rewards {input.scores}"
-        " --out {output} > {log} 2>&1"
+        " --out {output.checkpoint:q} > {log} 2>&1"
+        " && cp {output.checkpoint:q}/metrics.jsonl {output.metrics:q}"
+
+
+# Training of a round that keeps neither checkpoint nor rollout (workflow.keep_every): its
+# checkpoint is deleted once the next round's rollout and training are done.
+use rule train as train_transient with:
+    output:
+        checkpoint=temp(directory(f"{RUN}/round-{{round}}/{TRANSIENT}/checkpoint")),
+        metrics=round_record("train"),

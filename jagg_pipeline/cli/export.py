@@ -1,0 +1,47 @@
+"""``export``: a checkpoint's policy in a hub format (a diffusers folder or a peft adapter)."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+from jagg_pipeline.cli.common import add_config_arguments, load_stage_config, stage_errors
+
+# The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
+HELP = "write a checkpoint's policy as a diffusers folder (full) or a peft adapter (LoRA)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand."""
+    p = sub.add_parser(
+        "export",
+        help=HELP,
+        description=textwrap.dedent(
+            """\
+            Read a training checkpoint's sharded policy into one process and write it in the
+            format other tools load. backbone.training: full gives a diffusers pipeline
+            folder (the base checkpoint's components, the trained transformer/ in its
+            place), usable as backbone.path or with DiffusionPipeline.from_pretrained;
+            lora gives a peft adapter folder (adapter_config.json,
+            adapter_model.safetensors) for the base model. Needs host memory for the whole
+            model once; the training checkpoints themselves stay sharded."""
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p)
+    p.add_argument(
+        "--policy", type=Path, required=True, metavar="CKPT", help="a training checkpoint"
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.policy import export_policy
+
+    config = load_stage_config(args.config, args.overrides)
+    with stage_errors():
+        export_policy(config, args.policy, args.out)
+    print(f"{args.policy} exported to {args.out}")
+    return 0
