@@ -412,7 +412,8 @@ def train_threads(wildcards):
 # multi-node job; under --sdm apptainer the command runs in the image, which has no srun.
 RUNS_HERE = workflow.is_main_process and workflow.nodes is None
 IN_APPTAINER = any(
-    method.name == "APPTAINER" for method in workflow.deployment_settings.deployment_method
+    method.name == "APPTAINER"
+    for method in workflow.deployment_settings.deployment_method
 )
 
 
