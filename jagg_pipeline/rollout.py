@@ -35,6 +35,7 @@ import torch
 from jagg_pipeline import sde
 from jagg_pipeline.artifacts import METRICS_NAME, append_metrics
 from jagg_pipeline.backbones import Backbone
+from jagg_pipeline.backbones.base import DTYPES
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import begin_output, finish_output, stage_inputs
 from jagg_pipeline.prompts import draw_prompts, resolve_prompts
@@ -169,7 +170,7 @@ def compute_dtype(backbone: Any) -> torch.dtype:
     """The dtype the policy's network computes in: bfloat16 under bf16 mixed precision."""
     if backbone.mixed_precision == "bf16":
         return torch.bfloat16
-    return getattr(torch, backbone.dtype)
+    return DTYPES[backbone.dtype]
 
 
 # --------------------------------------------------------------------------------------------
