@@ -11,7 +11,8 @@ std over seeds; update-stage seconds per round) and ``OUT/curves.png``.
     python benchmarks/toyworld_curves.py --world results/toyworld --out results/curves
 
 The variants are overrides of the package's default config (which is the tuned setting):
-exact, jagg (jagg_frac 1), jagg_0.6, no_interp_drop, no_interp_nearest.
+exact, jagg (jagg_frac 1, the rollout's velocities reused), jagg_recompute (reuse off),
+jagg_shared (shared anchors), jagg_0.6, no_interp_drop, no_interp_nearest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 VARIANTS: dict[str, dict[str, Any]] = {
     "exact": {"mode": "exact"},
     "jagg": {"mode": "jagg", "jagg_frac": 1.0},
+    "jagg_recompute": {"mode": "jagg", "jagg_frac": 1.0, "reuse_velocities": False},
+    "jagg_shared": {"mode": "jagg", "jagg_frac": 1.0, "anchors": "shared"},
     "jagg_0.6": {"mode": "jagg", "jagg_frac": 0.6},
     "no_interp_drop": {"mode": "no_interp", "no_interp": "drop"},
     "no_interp_nearest": {"mode": "no_interp", "no_interp": "nearest"},
@@ -70,6 +73,7 @@ def run_one(args: argparse.Namespace) -> None:
             "round": done.round,
             "train_reward": done.reward_mean,
             "round_seconds": done.round_seconds,
+            "stage_seconds": done.stage_seconds,
             "update_seconds": done.update_seconds,
             "evaluation": done.evaluation,
             "elapsed": time.perf_counter() - started,
@@ -138,6 +142,10 @@ def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
             "rise": _mean_std(rises),
             "update_seconds_per_round": update,
             "round_seconds": statistics.mean(r["round_seconds"] for r in trained),
+            "stage_seconds": {
+                stage: statistics.mean(r["stage_seconds"][stage] for r in trained)
+                for stage in ("rollout", "score", "train")
+            },
             "train_seconds": statistics.mean(rows[-1]["elapsed"] for rows in seeds.values()),
         }
     return summary
@@ -147,18 +155,20 @@ def table(summary: dict[str, Any]) -> str:
     """A markdown table of base -> final per variant."""
     lines = [
         "| variant | held-out attribute reward: base -> final | rise (std over seeds) "
-        "| toy CLIPScore: base -> final | update s/round (fwd + bwd + opt) | round s | seeds |",
+        "| toy CLIPScore: base -> final | update s/round (fwd + bwd + opt) "
+        "| round s (rollout + score + train) | seeds |",
         "|---|---|---|---|---|---|---|",
     ]
     for variant, s in summary.items():
         (ab, _), (af, afs) = s["base"]["toy_attributes"], s["final"]["toy_attributes"]
         (cb, _), (cf, cfs) = s["base"]["toy_clipscore"], s["final"]["toy_clipscore"]
-        u = s["update_seconds_per_round"]
+        u, stage = s["update_seconds_per_round"], s["stage_seconds"]
         lines.append(
             f"| {variant} | {ab:.3f} -> {af:.3f} +- {afs:.3f} | {s['rise'][0]:+.3f} "
             f"({s['rise'][1]:.3f}) | {cb:.1f} -> {cf:.1f} +- {cfs:.1f} "
             f"| {sum(u.values()):.2f} ({u['forward']:.2f} + {u['backward']:.2f} + "
-            f"{u['optimizer']:.2f}) | {s['round_seconds']:.1f} | {len(s['seeds'])} |"
+            f"{u['optimizer']:.2f}) | {s['round_seconds']:.1f} ({stage['rollout']:.1f} + "
+            f"{stage['score']:.1f} + {stage['train']:.1f}) | {len(s['seeds'])} |"
         )
     return "\n".join(lines) + "\n"
 

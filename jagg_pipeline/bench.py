@@ -22,6 +22,7 @@ two-rank (gloo) FSDP2 run counts reduce-scatters per optimizer step in every mod
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import platform
@@ -58,14 +59,16 @@ class Case:
     frac: float
     reuse: bool = False
     backward: str = "joint"  # jagg.endpoint_backward
+    anchors: str = "separate"  # jagg.anchors
 
     @property
     def name(self) -> str:
         if self.mode == "exact":
             return "exact"
         reuse = "+reuse" if self.reuse else ""
+        shared = " shared" if self.anchors == "shared" else ""
         sequential = " sequential" if self.backward == "sequential" else ""
-        return f"{self.mode}{reuse} W={self.window} f={self.frac:g}{sequential}"
+        return f"{self.mode}{reuse} W={self.window} f={self.frac:g}{shared}{sequential}"
 
 
 def save_bench_backbone(name: str, directory: str | Path, seed: int = 0) -> Path:
@@ -100,20 +103,37 @@ def load_bench_backbone(name: str, device: str, seed: int = 0, **spec: Any) -> B
         return load_saved_backbone(name, directory, device, **spec)
 
 
-def predicted_cost(case: Case, steps: Sequence[int]) -> int:
-    """The update's cost in forward-equivalents (backward = 2 forwards; optimizer not counted)."""
-    windows = jagg.split_windows(steps, case.window)
+def analytic_rows(case: Case, steps: Sequence[int]) -> tuple[int, int]:
+    """(rows with grad, interior rows without) of one update of ``case`` over ``steps``.
+
+    Rows with grad: every exact step and every anchor (a forward and a backward each);
+    interior rows: the no-grad forwards of interpolated steps, none when the rollout's
+    velocities are reused or the mode drops interior signals (no_interp).
+    """
+    windows = jagg.split_windows(steps, case.window, case.anchors)
     routed = jagg.route_windows(len(windows), case.frac)
-    cost = 0
-    for chunk, approx in zip(windows, routed, strict=True):
-        n = len(chunk)
-        if case.mode == "exact" or not approx or n == 1:
-            cost += 3 * n
-            continue
-        # no_interp (drop) needs no interior velocity; reuse takes them from the rollout.
-        interior = 0 if case.reuse or case.mode == "no_interp" else n - 2
-        cost += 2 + interior + 4
-    return cost
+    if case.mode == "exact":
+        return len(steps), 0
+    units = jagg.approximated_units(routed, case.anchors)
+    exact = sum(len(w) for w, r in zip(windows, routed, strict=True) if not r)
+    grad_rows = interior = 0
+    for unit in units:
+        chunks = [windows[w] for w in unit]
+        n = sum(len(c) for c in chunks)
+        anchors = len({k for iv in jagg.layout_intervals(chunks) for k in (iv[0], iv[-1])})
+        grad_rows += anchors
+        if not (case.reuse or case.mode == "no_interp"):
+            interior += n - anchors
+    return exact + grad_rows, interior
+
+
+def predicted_cost(case: Case, steps: Sequence[int]) -> int:
+    """The update's cost in forward-equivalents (backward = 2 forwards; optimizer not counted).
+
+    3 per row with grad (forward + backward), 1 per interior row (:func:`analytic_rows`).
+    """
+    grad_rows, interior = analytic_rows(case, steps)
+    return 3 * grad_rows + interior
 
 
 class SavedActivations:
@@ -170,7 +190,7 @@ class Bench:
     def run(self, case: Case) -> dict[str, Any]:
         """One timed update of ``case``: seconds (forward, backward, optimizer) and counts."""
         p = self.problem
-        windows = jagg.split_windows(p.steps, case.window)
+        windows = jagg.split_windows(p.steps, case.window, case.anchors)
         routed = jagg.route_windows(len(windows), case.frac)
         batch = jagg.MicroBatch(
             p.latents, p.sigmas, p.cond, p.objective(), p.velocities if case.reuse else None
@@ -185,6 +205,7 @@ class Bench:
             routed,
             case.mode,
             self.set_sync,
+            anchors=case.anchors,
             endpoint_backward=case.backward,
         )
         self.clock.sync()
@@ -252,7 +273,11 @@ def cases_for(name: str, settings: BenchSettings) -> list[Case]:
 
 
 def headline_cases(window: int) -> list[Case]:
-    """Exact, then JAGG with and without reuse under both endpoint backwards, no_interp."""
+    """The cases timed on every backbone.
+
+    Exact, JAGG with and without reuse under both endpoint backwards, no_interp, then shared
+    anchors with and without reuse (and sequential with reuse).
+    """
     return [
         Case("exact", window, 0.0),
         Case("jagg", window, 1.0),
@@ -260,6 +285,9 @@ def headline_cases(window: int) -> list[Case]:
         Case("jagg", window, 1.0, reuse=True),
         Case("jagg", window, 1.0, reuse=True, backward="sequential"),
         Case("no_interp", window, 1.0),
+        Case("jagg", window, 1.0, anchors="shared"),
+        Case("jagg", window, 1.0, reuse=True, anchors="shared"),
+        Case("jagg", window, 1.0, reuse=True, backward="sequential", anchors="shared"),
     ]
 
 
@@ -280,12 +308,18 @@ def _stderr(message: str) -> None:
 
 
 def bench_backbone(
-    name: str, settings: BenchSettings, progress: Callable[[str], None] = _stderr
+    name: str,
+    settings: BenchSettings,
+    progress: Callable[[str], None] = _stderr,
+    sweep: bool = True,
 ) -> dict[str, Any]:
-    """Every case of ``name`` timed interleaved; medians, spread, ratios and predictions."""
+    """Every case of ``name`` timed interleaved; medians, spread, ratios and predictions.
+
+    ``sweep`` False: the headline cases only, even on the sweep backbone.
+    """
     backbone = load_bench_backbone(name, settings.device, settings.seed)
     bench = Bench(backbone, settings)
-    cases = cases_for(name, settings)
+    cases = cases_for(name, settings) if sweep else headline_cases(settings.window)
     exact = cases[0]
     for _ in range(settings.warmup):
         for case in cases:
@@ -319,6 +353,7 @@ def bench_backbone(
                     [e / u for e, u in zip(exact_engine, engine, strict=True)]
                 ),
                 "predicted_speedup": predicted_cost(exact, steps) / predicted_cost(case, steps),
+                "analytic_rows": analytic_rows(case, steps)[0],
                 **{key: runs[0][key] for key in _COUNTS},
                 "peak_activation_bytes": bench.peak_bytes(case),
             }
@@ -419,6 +454,11 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] = print) 
         "torch": torch.__version__,
         "backbones": [bench_backbone(name, settings, progress) for name in settings.backbones],
     }
+    if settings.long_steps and settings.sweep_backbone in settings.backbones:
+        longer = dataclasses.replace(settings, num_steps=settings.long_steps)
+        report["backbones"].append(
+            bench_backbone(settings.sweep_backbone, longer, progress, sweep=False)
+        )
     if settings.ranks > 1:
         progress(f"reduce-scatters on {settings.ranks} ranks (gloo)")
         report["reduce_scatters"] = count_reduce_scatters(settings, settings.backbones[0])
@@ -446,6 +486,7 @@ def write_outputs(report: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "speedup_q1",
         "speedup_q3",
         "predicted_speedup",
+        "analytic_rows",
         *_COUNTS,
         "peak_activation_bytes",
         "memory_vs_exact",
@@ -522,7 +563,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"device: {report['device']}; torch {report['torch']}",
         "speed-up: exact's update seconds over the case's, per repeat (median [quartiles]); "
-        "analytic: forward-equivalents; memory: (weights + grads + AdamW moments + peak "
+        "analytic: forward-equivalents; rows: rows with grad (exact steps and anchors); "
+        "memory: (weights + grads + AdamW moments + peak "
         "activations saved for backward) vs exact",
     ]
     for backbone in report["backbones"]:
@@ -531,17 +573,18 @@ def format_report(report: dict[str, Any]) -> str:
             f"{backbone['backbone']}: {backbone['parameters'] / 1e6:.2f}M parameters, latents "
             f"{backbone['latent_shape']}, trained steps {len(backbone['trained_steps'])}, "
             f"batch {report['settings']['batch']}",
-            f"{'case':<39} {'update s':>9} {'fwd':>6} {'bwd':>6} {'opt':>6} {'speed-up':>9} "
-            f"{'[q1, q3]':>13} {'analytic':>8} {'bwd calls':>9} {'fwd calls':>9} "
+            f"{'case':<46} {'update s':>9} {'fwd':>6} {'bwd':>6} {'opt':>6} {'speed-up':>9} "
+            f"{'[q1, q3]':>13} {'analytic':>8} {'rows':>4} {'bwd calls':>9} {'fwd calls':>9} "
             f"{'act. MB':>8} {'memory':>7}",
         ]
         for row in backbone["cases"]:
             s, r = row["seconds"], row["speedup"]
             lines.append(
-                f"{row['case']:<39} {s['update']['median']:>9.3f} {s['forward']['median']:>6.3f} "
+                f"{row['case']:<46} {s['update']['median']:>9.3f} {s['forward']['median']:>6.3f} "
                 f"{s['backward']['median']:>6.3f} {s['optimizer']['median']:>6.3f} "
                 f"{r['median']:>8.2f}x [{r['q1']:>5.2f}, {r['q3']:>5.2f}] "
-                f"{row['predicted_speedup']:>7.2f}x {row['backward_calls']:>9} "
+                f"{row['predicted_speedup']:>7.2f}x {row['analytic_rows']:>4} "
+                f"{row['backward_calls']:>9} "
                 f"{row['network_calls']:>9} {row['peak_activation_bytes'] / 2**20:>8.1f} "
                 f"{row['memory_vs_exact']:>6.2f}x"
             )

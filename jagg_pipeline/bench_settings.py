@@ -28,6 +28,9 @@ class BenchSettings:
     # Denoising steps of the trajectories; every step but the last is trained: 12 at 13, three
     # windows of W = 4, so jagg_frac 0.6 routes 2 of 3 (with 2 windows it could only route 1).
     num_steps: int = 13
+    # The headline cases again on the sweep backbone over 16 trained steps (0: skip): where
+    # shared anchors save more (6 rows against 8 separate and 16 exact at W = 4).
+    long_steps: int = 17
     repeats: int = 5
     warmup: int = 1
     threads: int = 1

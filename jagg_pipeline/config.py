@@ -426,6 +426,12 @@ class JaggConfig:
         "jagg", help="exact baseline, JAGG, or the no-interpolation ablation"
     )
     window: int = field(4, help="W: trained steps per window (>= 2)", minimum=2)
+    anchors: Literal["separate", "shared"] = field(
+        "separate",
+        help="'separate': each window interpolates between its own two ends (2 rows per W "
+        "steps); 'shared': adjacent windows share their boundary step, so anchors come every "
+        "W - 1 steps (about one row per W - 1 steps, the same interpolation span)",
+    )
     jagg_frac: float | Literal["auto"] = field(
         1.0,
         help="fraction of windows (from high noise) routed to the approximation, or 'auto' "
@@ -474,6 +480,7 @@ class JaggConfig:
     def engine_options(self) -> dict[str, Any]:
         """The options every gradient-engine call of a run takes (training and probes)."""
         return {
+            "anchors": self.anchors,
             "weights": self.weights,
             "no_interp": self.no_interp,
             "stack_forwards": self.stack_forwards,

@@ -46,6 +46,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
         "train.seed",
         "jagg.mode",
         "jagg.window",
+        "jagg.anchors",
         "jagg.jagg_frac",
         "jagg.no_interp",
         "jagg.reuse_velocities",

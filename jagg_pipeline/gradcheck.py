@@ -93,7 +93,7 @@ class GradcheckProblem:
             self.settings.clip_range,
         )
 
-    def probe(self) -> list[jagg.WindowProbe]:
+    def probe(self, anchors: jagg.Anchors = "separate") -> list[jagg.WindowProbe]:
         """Per-window agreement of jagg and no_interp with exact (window/options from settings)."""
         return jagg.probe_windows(
             self.params,
@@ -104,15 +104,19 @@ class GradcheckProblem:
             self.cond,
             self.steps,
             window=self.settings.window,
+            anchors=anchors,
             weights=self.settings.weights,
             no_interp=self.settings.no_interp,
             endpoint_backward=self.settings.endpoint_backward,
         )
 
     def gradient(
-        self, mode: jagg.GradMode, **overrides: Any
+        self, mode: jagg.GradMode, network: sde.Velocity | None = None, **overrides: Any
     ) -> tuple[torch.Tensor, jagg.TrajectoryStats]:
-        """The flat whole-trajectory gradient of ``mode`` (window/routing from the settings)."""
+        """The flat whole-trajectory gradient of ``mode`` (window/routing from the settings).
+
+        ``network``: a velocity callable to run instead of the backbone's (a wrapper of it).
+        """
         options = {
             "window": self.settings.window,
             "jagg_frac": self.settings.jagg_frac,
@@ -126,7 +130,7 @@ class GradcheckProblem:
             self.params,
             lambda: result.append(
                 jagg.trajectory_gradient(
-                    self.velocity,
+                    network or self.velocity,
                     self.objective(),
                     self.latents,
                     self.sigmas,
@@ -223,58 +227,86 @@ def build_problem(
     )
 
 
-def run_gradcheck(settings: GradcheckSettings) -> dict[str, Any]:
-    """Run the diagnostic; the report has ``windows``, ``backward_calls`` and ``trajectory``."""
-    if settings.window < 2:
-        raise ValueError(f"window must be >= 2 to compare anything, got {settings.window}")
-    problem = build_problem(settings)
-    probes = problem.probe()
+def _layout_report(problem: GradcheckProblem, anchors: jagg.Anchors) -> dict[str, Any]:
+    """Per-window agreement, backward calls and whole-trajectory agreement of one layout."""
     full, backward_calls = {}, {}
     for mode in jagg.GRAD_MODES:
-        full[mode], stats = problem.gradient(mode)
+        full[mode], stats = problem.gradient(mode, anchors=anchors)
         backward_calls[mode] = stats.backward_calls
-
     return {
-        "settings": asdict(settings),
-        "sigmas": [float(s) for s in problem.sigmas],
-        "trained_steps": problem.steps,
-        "windows": [p.to_dict() for p in probes],
+        "windows": [p.to_dict() for p in problem.probe(anchors)],
         "backward_calls": backward_calls,
         "trajectory": {
-            "jagg_frac": settings.jagg_frac,
+            "jagg_frac": problem.settings.jagg_frac,
             "jagg": asdict(jagg.agreement(full["jagg"], full["exact"])),
             "no_interp": asdict(jagg.agreement(full["no_interp"], full["exact"])),
         },
     }
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """A fixed-width table of the per-window agreement and the backward-call counts."""
-    s = report["settings"]
+def run_gradcheck(settings: GradcheckSettings) -> dict[str, Any]:
+    """Run the diagnostic on both anchor layouts at the same interpolation span (W steps).
+
+    The report has ``windows``, ``backward_calls`` and ``trajectory`` for separate anchors
+    (each window its own two ends) and the same under ``shared`` (adjacent windows share
+    their boundary step: every window after the first owns W - 1 steps).
+    """
+    if settings.window < 2:
+        raise ValueError(f"window must be >= 2 to compare anything, got {settings.window}")
+    problem = build_problem(settings)
+    return {
+        "settings": asdict(settings),
+        "sigmas": [float(s) for s in problem.sigmas],
+        "trained_steps": problem.steps,
+        **_layout_report(problem, "separate"),
+        "shared": _layout_report(problem, "shared"),
+    }
+
+
+def worst_rel_err(report: dict[str, Any]) -> float:
+    """The largest per-window jagg rel_err of either layout."""
+    layouts = [report, report["shared"]]
+    return max(w["jagg"]["rel_err"] for layout in layouts for w in layout["windows"])
+
+
+def _layout_lines(layout: dict[str, Any]) -> list[str]:
     lines = [
-        f"gradcheck: backbone={s['backbone']} trajectory={s['trajectory']} dtype={s['dtype']} "
-        f"window={s['window']} steps={s['num_steps']} batch={s['batch']} "
-        f"weights={s['weights']} no_interp={s['no_interp']} "
-        f"endpoint_backward={s['endpoint_backward']}",
-        "",
-        f"{'window':>6} {'steps':>10} {'sigma_start':>11} {'sigma_end':>9} "
+        f"{'window':>6} {'interval':>10} {'sigma_start':>11} {'sigma_end':>9} "
         f"{'jagg cos':>10} {'jagg rel_err':>12} {'no_int cos':>10} {'no_int rel_err':>14}",
     ]
-    for w in report["windows"]:
-        span = f"{w['steps'][0]}-{w['steps'][-1]}"
+    for w in layout["windows"]:
+        span = f"{w['interval'][0]}-{w['interval'][-1]}"
         lines.append(
             f"{w['index']:>6} {span:>10} {w['sigma_start']:>11.4f} {w['sigma_end']:>9.4f} "
             f"{w['jagg']['cos_sim']:>10.6f} {w['jagg']['rel_err']:>12.3e} "
             f"{w['no_interp']['cos_sim']:>10.6f} {w['no_interp']['rel_err']:>14.3e}"
         )
-    t = report["trajectory"]
-    calls = report["backward_calls"]
-    lines += [
-        "",
+    t = layout["trajectory"]
+    calls = layout["backward_calls"]
+    return [
+        *lines,
         f"whole trajectory at jagg_frac={t['jagg_frac']}: "
         f"jagg cos={t['jagg']['cos_sim']:.6f} rel_err={t['jagg']['rel_err']:.3e}; "
         f"no_interp cos={t['no_interp']['cos_sim']:.6f} rel_err={t['no_interp']['rel_err']:.3e}",
         f"network backward calls: exact={calls['exact']} jagg={calls['jagg']} "
         f"no_interp={calls['no_interp']}",
     ]
-    return "\n".join(lines)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Fixed-width tables of the per-window agreement and backward calls, per anchor layout."""
+    s = report["settings"]
+    return "\n".join(
+        [
+            f"gradcheck: backbone={s['backbone']} trajectory={s['trajectory']} "
+            f"dtype={s['dtype']} window={s['window']} steps={s['num_steps']} "
+            f"batch={s['batch']} weights={s['weights']} no_interp={s['no_interp']} "
+            f"endpoint_backward={s['endpoint_backward']}",
+            "",
+            "separate anchors (each window interpolates between its own two ends):",
+            *_layout_lines(report),
+            "",
+            "shared anchors (adjacent windows share their boundary step; the same span):",
+            *_layout_lines(report["shared"]),
+        ]
+    )

@@ -23,6 +23,8 @@ dict/tuple of tensors batched along dim 0, or None.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,8 @@ Weights = Literal["time", "index"]
 NoInterpVariant = Literal["drop", "nearest"]
 EndpointBackward = Literal["joint", "sequential"]
 ENDPOINT_BACKWARDS: tuple[str, ...] = ("joint", "sequential")
+Anchors = Literal["separate", "shared"]
+ANCHORS: tuple[str, ...] = ("separate", "shared")
 # (v_k, k) -> scalar loss of trained step k; must depend on parameters only through v_k.
 StepLoss = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -50,7 +54,8 @@ class WindowStats:
     ``network_calls`` velocity calls, ``backward_calls`` backward calls into the network (under
     FSDP2, one reduce-scatter per parameter group each).
     ``loss`` sums the step losses that the mode evaluated (no_interp/drop skips interiors).
-    ``reused_rows`` counts interior velocities taken from the rollout instead of a forward.
+    ``reused_rows`` counts interior velocities taken from the rollout instead of a forward,
+    ``recomputed_rows`` those a no-grad forward computed.
     ``reuse_error``: the largest relative deviation of a recomputed endpoint velocity from the
     stored one (None: nothing stored); ``reuse_rejected``: it exceeded
     :func:`reuse_tolerance`, so the interiors were recomputed.
@@ -63,6 +68,7 @@ class WindowStats:
     network_calls: int = 0
     backward_calls: int = 0
     reused_rows: int = 0
+    recomputed_rows: int = 0
     reuse_error: float | None = None
     reuse_rejected: bool = False
 
@@ -149,6 +155,62 @@ def _endpoint_weights(
     raise ValueError(f"no_interp variant must be 'drop' or 'nearest', got {no_interp!r}")
 
 
+@dataclass
+class AnchorLayout:
+    """Where one approximated unit evaluates Jacobians, and which signals each of them carries.
+
+    ``anchors``: the steps whose rows run forward and backward with grad, in order;
+    ``intervals``: the interpolation spans, each from one anchor to the next;
+    ``coefficients[k]``: anchor -> the weight of step k's signal on that anchor's Jacobian.
+    """
+
+    anchors: list[int]
+    intervals: list[list[int]]
+    coefficients: dict[int, dict[int, float]]
+
+
+def layout_intervals(windows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The interpolation intervals of consecutive windows that share their boundary anchors.
+
+    Window 0's interval is the window itself; each later window's runs from the last step of
+    the window before (the shared anchor) through its own steps. One window: itself.
+    """
+    windows = [list(w) for w in windows]
+    return windows[:1] + [[before[-1], *w] for before, w in itertools.pairwise(windows)]
+
+
+def anchor_layout(
+    sigmas: torch.Tensor,
+    windows: Sequence[Sequence[int]],
+    mode: str,
+    weights: Weights = "time",
+    no_interp: NoInterpVariant = "drop",
+) -> AnchorLayout:
+    """The layout of a unit: one window (separate anchors) or a run sharing boundary anchors.
+
+    In each interval a step's Jacobian is interpolated from the interval's two anchors:
+    J_k ~ (1 - alpha_k) J_first + alpha_k J_last under ``jagg`` (alpha: t- or index weights),
+    or handed to them whole under ``no_interp``. A shared anchor belongs to the interval that
+    ends at it, so its own signal is counted once; it also carries the next interval's shares.
+    """
+    if mode not in ("jagg", "no_interp"):
+        raise ValueError(f"an anchor layout approximates 'jagg' or 'no_interp', got {mode!r}")
+    intervals = layout_intervals(windows)
+    anchors: list[int] = []
+    coefficients: dict[int, dict[int, float]] = {}
+    for i, interval in enumerate(intervals):
+        first, last = interval[0], interval[-1]
+        anchors.extend(a for a in dict.fromkeys((first, last)) if a not in anchors)
+        if len(interval) == 1:
+            coefficients[first] = {first: 1.0}
+            continue
+        pairs = _endpoint_weights(mode, interpolation_weights(sigmas, interval, weights), no_interp)
+        for j, (k, (w_first, w_last)) in enumerate(zip(interval, pairs, strict=True)):
+            if i == 0 or j > 0:  # a shared first anchor is owned by the interval before
+                coefficients[k] = {first: w_first, last: w_last}
+    return AnchorLayout(anchors, intervals, coefficients)
+
+
 # The on-policy check: stored velocities are trusted while the recomputed endpoints agree with
 # the stored ones to within this many units of the network output's precision (its eps), as a
 # relative RMS. Rounding differences from another batch composition accumulate through the
@@ -183,73 +245,91 @@ def finer_than(stored: torch.Tensor, dtype: torch.dtype) -> bool:
     return not torch.equal(stored.to(dtype).to(stored.dtype), stored)
 
 
-class _Window:
-    """One approximated window's per-step signals and interior velocities.
+class _Unit:
+    """One approximated unit's per-step signals and interior velocities.
 
-    Interior velocities are the stored ones while every endpoint checked so far agrees with
-    its stored velocity (:meth:`check`), else one no-grad forward recomputes them. Each step's
-    signal s_j is computed once and shared by both endpoint sums.
+    A unit is one window (``separate`` anchors) or a run of windows whose intervals share
+    their boundary anchors (``shared``). ``coefficients[k][a]`` is the weight of step k's
+    signal on anchor a's Jacobian. Interior velocities are the stored ones while every anchor
+    checked so far agrees with its stored velocity (:meth:`check`), else no-grad forwards
+    recompute them (one per interval when stacked). Each step's signal s_k is computed once
+    and shared by every anchor sum it enters. Counts go to the window that owns the step.
     """
 
-    def __init__(self, velocity, step_loss, latents, sigmas, cond, stats, per_step, stack, known):
+    def __init__(self, velocity, step_loss, latents, sigmas, cond, layout, stats, stack, known):
         self.velocity, self.step_loss = velocity, step_loss
         self.latents, self.sigmas, self.cond = latents, sigmas, cond
-        self.stats, self.per_step, self.stack, self.known = stats, per_step, stack, known
-        steps = stats.steps
-        self.interior = [k for k in steps[1:-1] if per_step[k] != (0.0, 0.0)]
-        # Only what the endpoints vouch for is used: no stored endpoint, no check, no reuse.
-        vouched = [*self.interior, steps[0], steps[-1]]
+        self.layout, self.stats, self.stack, self.known = layout, stats, stack, known
+        self.owners = {k: part for part in stats for k in part.steps}
+        anchors = set(layout.anchors)
+        self.interior = [
+            [k for k in interval if k not in anchors and any(layout.coefficients[k].values())]
+            for interval in layout.intervals
+        ]
+        # Only what the anchors vouch for is used: no stored anchor, no check, no reuse.
+        vouched = [*layout.anchors, *(k for group in self.interior for k in group)]
         self.stored = known is not None and all(k in known for k in vouched)
         self.velocities: dict[int, torch.Tensor] = {}
         self.signals: dict[int, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
 
+    def evaluate(self, group: list[int]) -> torch.Tensor:
+        """One velocity call over ``group``, counted on the windows owning its rows."""
+        self.owners[group[0]].network_calls += 1
+        for k in group:
+            self.owners[k].forward_rows += 1
+        return _evaluate(self.velocity, self.latents, self.sigmas, self.cond, group)
+
     def check(self, step: int, recomputed: torch.Tensor) -> None:
-        """Compare an endpoint's recomputed velocity with the stored one; stop reusing if off."""
+        """Compare an anchor's recomputed velocity with the stored one; stop reusing if off."""
         if self.known is None or step not in self.known:
             return
-        stats = self.stats
         stored = self.known[step]
         deviation = velocity_deviation(recomputed, stored)
-        stats.reuse_error = max(stats.reuse_error or 0.0, deviation)
+        for stats in self.stats:
+            stats.reuse_error = max(stats.reuse_error or 0.0, deviation)
         off = deviation > reuse_tolerance(recomputed.dtype) or finer_than(stored, recomputed.dtype)
         if self.stored and off:
-            stats.reuse_rejected = True
             self.stored = False
-            for k in self.interior:  # anything taken from the stored values is redone
+            for stats in self.stats:
+                stats.reuse_rejected = True
+                stats.reused_rows = 0
+            for k in (k for group in self.interior for k in group):  # taken from storage: redo
                 self.velocities.pop(k, None)
                 self.signals.pop(k, None)
 
-    def endpoint(self, step: int, value: torch.Tensor) -> None:
+    def anchor(self, step: int, value: torch.Tensor) -> None:
         self.velocities[step] = value
 
     def interiors(self, like: torch.Tensor | None = None) -> None:
         """Fill in the interior velocities not known yet.
 
-        The stored ones (cast to ``like``'s device and dtype) while they are trusted, else one
-        no-grad forward.
+        The stored ones (cast to ``like``'s device and dtype) while they are trusted, else
+        no-grad forwards: one per interval when stacked, one per step otherwise.
         """
-        missing = [k for k in self.interior if k not in self.velocities]
+        missing = [[k for k in group if k not in self.velocities] for group in self.interior]
+        missing = [group for group in missing if group]
         if not missing:
             return
         if self.stored:
-            self.velocities.update((k, self.known[k].to(like.device, like.dtype)) for k in missing)
-            self.stats.reused_rows = len(missing)
+            for k in (k for group in missing for k in group):
+                self.velocities[k] = self.known[k].to(like.device, like.dtype)
+                self.owners[k].reused_rows += 1
             return
-        self.stats.reused_rows = 0
+        calls = missing if self.stack else [[k] for group in missing for k in group]
         with torch.no_grad():
-            for group in [missing] if self.stack else [[k] for k in missing]:
-                v = _evaluate(self.velocity, self.latents, self.sigmas, self.cond, group)
+            for group in calls:
+                v = self.evaluate(group)
                 self.velocities.update(zip(group, v.chunk(len(group)), strict=True))
-                self.stats.network_calls += 1
-                self.stats.forward_rows += len(group)
+                for k in group:
+                    self.owners[k].recomputed_rows += 1
 
-    def signal(self, which: int, like: torch.Tensor) -> torch.Tensor:
-        """sum_j w_j s_j over the steps known so far; ``which`` 0: s_base, 1: s_corr."""
+    def signal(self, anchor: int, like: torch.Tensor) -> torch.Tensor:
+        """sum_k c_ka s_k over the steps known so far: what anchor ``anchor``'s row carries."""
         self.interiors(like)
         total = None
-        for k in self.stats.steps:
-            weight = self.per_step[k][which]
+        for k, weights in self.layout.coefficients.items():
+            weight = weights.get(anchor, 0.0)
             if k not in self.velocities or weight == 0.0:
                 continue
             if k not in self.signals:
@@ -258,7 +338,8 @@ class _Window:
                 )
             term = weight * self.signals[k]
             total = term if total is None else total + term
-        self.stats.loss = sum(self.losses.values())
+        for stats in self.stats:
+            stats.loss = sum(loss for k, loss in self.losses.items() if self.owners[k] is stats)
         return total
 
 
@@ -268,53 +349,45 @@ def _aggregated(
     latents,
     sigmas,
     cond,
-    stats: WindowStats,
-    weights,
-    no_interp,
+    layout: AnchorLayout,
+    stats: list[WindowStats],
     stack,
     known,
     backward: EndpointBackward,
     before_backward: Callable[[bool], None],
 ) -> None:
-    steps = stats.steps
-    k0, k_last = steps[0], steps[-1]
-    alphas = interpolation_weights(sigmas, steps, weights)
-    per_step = dict(zip(steps, _endpoint_weights(stats.mode, alphas, no_interp), strict=True))
-    window = _Window(velocity, step_loss, latents, sigmas, cond, stats, per_step, stack, known)
+    unit = _Unit(velocity, step_loss, latents, sigmas, cond, layout, stats, stack, known)
+    anchors, owners = layout.anchors, unit.owners
     if backward == "sequential":
-        # One endpoint graph alive at a time: its forward, its signal (its own step's plus
-        # the interiors' share), its backward. Exact's activation peak, two backward calls.
+        # One anchor graph alive at a time: its forward, its signal (its own step's plus its
+        # intervals' shares), its backward. Exact's activation peak, one backward per anchor.
         # Interiors that must be recomputed are, before any graph exists.
-        if not window.stored:
-            window.interiors()
-        for which, k in enumerate((k0, k_last)):
-            out = _evaluate(velocity, latents, sigmas, cond, [k])
-            stats.network_calls += 1
-            stats.forward_rows += 1
-            window.check(k, out)
-            window.endpoint(k, out.detach())
-            signal = window.signal(which, out)
-            before_backward(which == 1)
+        if not unit.stored:
+            unit.interiors()
+        for a in anchors:
+            out = unit.evaluate([a])
+            unit.check(a, out)
+            unit.anchor(a, out.detach())
+            signal = unit.signal(a, out)
+            before_backward(a == anchors[-1])
             out.backward(signal.to(out.dtype))
-            stats.backward_calls += 1
+            owners[a].backward_calls += 1
         return
-    # Joint: both endpoint graphs alive until ONE backward call (one reduce-scatter per
+    # Joint: every anchor graph alive until ONE backward call (one reduce-scatter per
     # parameter group under FSDP2). Stacked: one forward call (fewer launches, bigger
     # batches); unstacked: every call has the rollout's batch composition.
-    groups = [[k0, k_last]] if stack else [[k0], [k_last]]
-    outputs = [_evaluate(velocity, latents, sigmas, cond, group) for group in groups]
-    stats.network_calls += len(outputs)
-    stats.forward_rows += 2
-    for k, v in zip((k0, k_last), torch.cat(outputs).detach().chunk(2), strict=True):
-        window.check(k, v)
-        window.endpoint(k, v)
-    s_base, s_corr = window.signal(0, outputs[0]), window.signal(1, outputs[0])
-    grad_outputs = [torch.cat([s_base, s_corr])] if stack else [s_base, s_corr]
+    groups = [list(anchors)] if stack else [[a] for a in anchors]
+    outputs = [unit.evaluate(group) for group in groups]
+    for a, v in zip(anchors, torch.cat(outputs).detach().chunk(len(anchors)), strict=True):
+        unit.check(a, v)
+        unit.anchor(a, v)
+    signals = [unit.signal(a, outputs[0]) for a in anchors]
+    grad_outputs = [torch.cat(signals)] if stack else signals
     before_backward(True)
     torch.autograd.backward(
         outputs, [g.to(out.dtype) for g, out in zip(grad_outputs, outputs, strict=True)]
     )
-    stats.backward_calls += 1
+    owners[anchors[0]].backward_calls += 1
 
 
 def window_gradient(
@@ -325,6 +398,24 @@ def window_gradient(
     cond: Any,
     steps: Sequence[int],
     mode: GradMode,
+    **options: Any,
+) -> WindowStats:
+    """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
+
+    :func:`unit_gradient` on the one window ``steps`` (its two ends the anchors).
+    """
+    (stats,) = unit_gradient(velocity, step_loss, latents, sigmas, cond, [steps], mode, **options)
+    return stats
+
+
+def unit_gradient(
+    velocity: Velocity,
+    step_loss: StepLoss,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Any,
+    windows: Sequence[Sequence[int]],
+    mode: GradMode,
     *,
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
@@ -332,29 +423,31 @@ def window_gradient(
     known_velocities: Mapping[int, torch.Tensor] | None = None,
     endpoint_backward: EndpointBackward = "joint",
     before_backward: Callable[[bool], None] | None = None,
-) -> WindowStats:
-    """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
+) -> list[WindowStats]:
+    """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one unit.
 
-    ``latents`` [B, T+1, ...] holds the trajectory (z_k = latents[:, k]), ``sigmas`` [T+1]
-    its schedule, ``steps`` the window's trained step indices in order. ``mode``: ``exact``
-    (W forwards, W backwards), ``jagg`` (one stacked endpoint forward with grad, one batched
-    interior forward, one backward), ``no_interp`` (endpoints only; ``no_interp="drop"``
-    ignores interior signals, ``"nearest"`` hands each to the nearer endpoint in t, ties split
-    evenly). A one-step window is always exact; a two-step window under ``jagg`` is exact.
-    ``stack_forwards=False`` evaluates each step at the sample batch size (W network calls,
-    still one ``backward`` call over both endpoint outputs): slower on accelerators, but
-    recomputed log-probs then equal the rollout's bit for bit (ratio == 1 exactly).
-    ``known_velocities`` (step -> v_k [B, ...]): interior velocities to use instead of the
-    interior forward, valid only while the parameters are those that produced them (the
-    rollout's, before the round's first optimizer step); then a window costs the endpoint
-    forward and one backward. Exact windows and endpoints always run the network, and each
-    recomputed endpoint is compared with its stored velocity (when one is given): beyond
+    A unit is one window, or consecutive windows whose intervals share their boundary
+    anchors (:func:`anchor_layout`); one :class:`WindowStats` per window, each counting the
+    rows of the steps it owns. ``latents`` [B, T+1, ...] holds the trajectory
+    (z_k = latents[:, k]), ``sigmas`` [T+1] its schedule, ``windows`` the trained step
+    indices in order. ``mode``: ``exact`` (a forward and a backward per step), ``jagg`` (the
+    anchors' forward with grad, the interiors' forward without, one backward), ``no_interp``
+    (anchors only; ``no_interp="drop"`` ignores interior signals, ``"nearest"`` hands each to
+    the nearer anchor in t, ties split evenly). A one-step unit is always exact; a two-step
+    window under ``jagg`` is exact. ``stack_forwards=False`` evaluates each step at the sample
+    batch size (one network call per row, still one ``backward`` call over all anchor
+    outputs): slower on accelerators, but recomputed log-probs then equal the rollout's bit
+    for bit (ratio == 1 exactly). ``known_velocities`` (step -> v_k [B, ...]): interior
+    velocities to use instead of the interior forwards, valid only while the parameters are
+    those that produced them (the rollout's, before the round's first optimizer step); then a
+    unit costs the anchor rows alone. Exact steps and anchors always run the network, and each
+    recomputed anchor is compared with its stored velocity (when one is given): beyond
     :func:`reuse_tolerance`, or stored in a finer precision than the network computes in
     (:func:`finer_than`), the stored interiors are not used (``stats.reuse_rejected``).
-    ``endpoint_backward``: ``joint`` keeps both endpoint graphs alive until one backward call;
-    ``sequential`` runs each endpoint's forward and backward on its own (two backward calls,
-    the activation peak of one step, the same gradient). ``before_backward(last)`` is called
-    before every backward call into the network, ``last`` True for the window's last one
+    ``endpoint_backward``: ``joint`` keeps every anchor graph alive until one backward call;
+    ``sequential`` runs each anchor's forward and backward on its own (one backward call per
+    anchor, the activation peak of one step, the same gradient). ``before_backward(last)`` is
+    called before every backward call into the network, ``last`` True for the unit's last one
     (FSDP2's gradient-sync switch).
     """
     if mode not in GRAD_MODES:
@@ -363,36 +456,59 @@ def window_gradient(
         raise ValueError(
             f"endpoint_backward must be one of {ENDPOINT_BACKWARDS}, got {endpoint_backward!r}"
         )
-    before_backward = before_backward or (lambda last: None)
-    stats = WindowStats(steps=list(steps), mode=mode if len(steps) > 1 else "exact")
-    if not stats.steps:
+    if not windows or not all(windows):
         raise ValueError("a window needs at least one step")
-    if stats.mode == "exact":
-        _exact(velocity, step_loss, latents, sigmas, cond, stats, before_backward)
-    else:
-        _aggregated(
-            velocity,
-            step_loss,
-            latents,
-            sigmas,
-            cond,
-            stats,
-            weights,
-            no_interp,
-            stack_forwards,
-            known_velocities,
-            endpoint_backward,
-            before_backward,
-        )
+    before_backward = before_backward or (lambda last: None)
+    unit_mode = mode if sum(len(w) for w in windows) > 1 else "exact"
+    stats = [WindowStats(steps=list(w), mode=unit_mode) for w in windows]
+    if unit_mode == "exact":
+        for i, part in enumerate(stats):
+            last_window = i == len(stats) - 1
+            _exact(
+                velocity,
+                step_loss,
+                latents,
+                sigmas,
+                cond,
+                part,
+                lambda last, last_window=last_window: before_backward(last and last_window),
+            )
+        return stats
+    _aggregated(
+        velocity,
+        step_loss,
+        latents,
+        sigmas,
+        cond,
+        anchor_layout(sigmas, windows, unit_mode, weights, no_interp),
+        stats,
+        stack_forwards,
+        known_velocities,
+        endpoint_backward,
+        before_backward,
+    )
     return stats
 
 
-def split_windows(steps: Sequence[int], window: int) -> list[list[int]]:
-    """Consecutive chunks of ``window`` trained steps; the last one may be shorter (ragged)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+def split_windows(
+    steps: Sequence[int], window: int, anchors: Anchors = "separate"
+) -> list[list[int]]:
+    """The trained steps each window owns, in order; the last window may be shorter (ragged).
+
+    ``separate``: consecutive chunks of ``window`` steps. ``shared``: the first window owns
+    ``window`` steps and every later one ``window - 1``, because its interval starts at the
+    last step of the window before (the shared anchor): every interval spans ``window`` steps.
+    """
+    if anchors not in ANCHORS:
+        raise ValueError(f"anchors must be one of {ANCHORS}, got {anchors!r}")
+    minimum = 2 if anchors == "shared" else 1
+    if window < minimum:
+        raise ValueError(f"window must be >= {minimum} with {anchors} anchors, got {window}")
     steps = list(steps)
-    return [steps[i : i + window] for i in range(0, len(steps), window)]
+    if anchors == "separate":
+        return [steps[i : i + window] for i in range(0, len(steps), window)]
+    rest = steps[window:]
+    return [steps[:window]] + [rest[i : i + window - 1] for i in range(0, len(rest), window - 1)]
 
 
 def route_windows(n_windows: int, jagg_frac: float) -> list[bool]:
@@ -403,28 +519,49 @@ def route_windows(n_windows: int, jagg_frac: float) -> list[bool]:
     return [i < n_routed for i in range(n_windows)]
 
 
+def approximated_units(routed: Sequence[bool], anchors: Anchors = "separate") -> list[list[int]]:
+    """The window indices of each approximated unit.
+
+    Every routed window alone (separate), or each run of consecutive routed windows (shared:
+    they share their boundary anchors).
+    """
+    units: list[list[int]] = []
+    for w, approx in enumerate(routed):
+        if not approx:
+            continue
+        if anchors == "shared" and units and units[-1][-1] == w - 1:
+            units[-1].append(w)
+        else:
+            units.append([w])
+    return units
+
+
 def reusable_steps(
     trained_steps: Sequence[int],
     window: int,
     routed: Sequence[bool] | None,
     mode: str,
     no_interp: NoInterpVariant = "drop",
+    anchors: Anchors = "separate",
 ) -> list[int]:
     """The trained steps whose sampled velocities an on-policy JAGG step can reuse.
 
-    Every step of each approximated window that has interiors to fill in: the interiors are
-    reused, the endpoints are what the reuse is checked against (:class:`_Window`). None for
-    ``exact``, for ``no_interp`` with ``drop`` (interior signals unused), for windows of two
+    Every step of each approximated unit that has interiors to fill in: the interiors are
+    reused, the anchors are what the reuse is checked against (:class:`_Unit`). None for
+    ``exact``, for ``no_interp`` with ``drop`` (interior signals unused), for intervals of two
     steps and for windows routed to the exact engine. ``routed`` None: any window may be
     routed (routing decided later, e.g. probed).
     """
     if mode == "exact" or (mode == "no_interp" and no_interp == "drop"):
         return []
-    windows = split_windows(trained_steps, window)
+    windows = split_windows(trained_steps, window, anchors)
     routed = [True] * len(windows) if routed is None else list(routed)
-    return [
-        k for chunk, r in zip(windows, routed, strict=True) if r and len(chunk) > 2 for k in chunk
-    ]
+    steps: list[int] = []
+    for unit in approximated_units(routed, anchors):
+        chunks = [windows[w] for w in unit]
+        if any(len(interval) > 2 for interval in layout_intervals(chunks)):
+            steps.extend(k for chunk in chunks for k in chunk)
+    return steps
 
 
 @dataclass
@@ -473,6 +610,19 @@ class MicroBatch:
         return self.latents.shape[0]
 
 
+def _merge(into: WindowStats, part: WindowStats) -> None:
+    """Add one unit's share of a window's work to the window's statistics."""
+    into.loss += part.loss
+    into.forward_rows += part.forward_rows
+    into.network_calls += part.network_calls
+    into.backward_calls += part.backward_calls
+    into.reused_rows += part.reused_rows
+    into.recomputed_rows += part.recomputed_rows
+    into.reuse_rejected |= part.reuse_rejected
+    if part.reuse_error is not None:
+        into.reuse_error = max(into.reuse_error or 0.0, part.reuse_error)
+
+
 def accumulate_gradient(
     velocity: Velocity,
     micro_batches: Sequence[MicroBatch],
@@ -480,31 +630,36 @@ def accumulate_gradient(
     routed: Sequence[bool],
     mode: GradMode,
     set_sync: Callable[[bool], None] | None = None,
+    anchors: Anchors = "separate",
     **engine_options: Any,
 ) -> list[list[WindowStats]]:
     """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
 
     THE accumulation loop: training and the gradient diagnostic both run it, so the backward
     calls they report are the same thing. Windows with ``routed`` True use ``mode``, the others
-    are exact. Work is grouped into units: one per approximated window and one per step of an
-    exact window (an exact window IS W single-step backward calls, so splitting it computes
-    exactly the same thing). ``set_sync(on)`` (FSDP2's gradient sync) is called before each
-    backward call with on for the last one only: FSDP2 then accumulates the unsharded
-    gradients locally and reduces each parameter group ONCE per optimizer step instead of once
-    per backward call (fewer collectives, at the memory cost of holding the unsharded
-    gradients of the step).
+    are exact. Work is grouped into units: one per approximated unit (a window, or under
+    ``shared`` anchors a run of consecutive routed windows, see :func:`split_windows`) and one
+    per step of an exact window (an exact window IS W single-step backward calls, so splitting
+    it computes exactly the same thing). ``set_sync(on)`` (FSDP2's gradient sync) is called
+    before each backward call with on for the last one only: FSDP2 then accumulates the
+    unsharded gradients locally and reduces each parameter group ONCE per optimizer step
+    instead of once per backward call (fewer collectives, at the memory cost of holding the
+    unsharded gradients of the step).
     """
     if len(routed) != len(windows):
         raise ValueError(f"routing has {len(routed)} entries for {len(windows)} windows")
-    units = []
-    for m in range(len(micro_batches)):
-        for w, (chunk, approx) in enumerate(zip(windows, routed, strict=True)):
-            if approx and mode != "exact":
-                units.append((m, w, list(chunk), mode))
-            else:
-                units.extend((m, w, [k], "exact") for k in chunk)
+    approximated = approximated_units(routed, anchors) if mode != "exact" else []
+    first_of = {unit[0]: unit for unit in approximated}
+    covered = {w for unit in approximated for w in unit}
+    per_batch: list[tuple[list[int], list[list[int]], str]] = []
+    for w, chunk in enumerate(windows):
+        if w in first_of:
+            per_batch.append((first_of[w], [list(windows[i]) for i in first_of[w]], mode))
+        elif w not in covered:
+            per_batch.extend(([w], [[k]], "exact") for k in chunk)
+    units = [(m, *unit) for m in range(len(micro_batches)) for unit in per_batch]
     stats = [[WindowStats(steps=list(c), mode="exact") for c in windows] for _ in micro_batches]
-    for index, (m, w, steps, unit_mode) in enumerate(units):
+    for index, (m, window_indices, chunks, unit_mode) in enumerate(units):
         last_unit = index == len(units) - 1
 
         def before_backward(last: bool, last_unit: bool = last_unit) -> None:
@@ -512,29 +667,22 @@ def accumulate_gradient(
                 set_sync(last_unit and last)
 
         part = micro_batches[m]
-        result = window_gradient(
+        results = unit_gradient(
             velocity,
             part.objective,
             part.latents,
             part.sigmas,
             part.cond,
-            steps,
+            chunks,
             unit_mode,
             known_velocities=part.velocities,
             before_backward=before_backward,
             **engine_options,
         )
-        merged = stats[m][w]
-        if len(steps) > 1:
-            merged.mode = result.mode
-        merged.loss += result.loss
-        merged.forward_rows += result.forward_rows
-        merged.network_calls += result.network_calls
-        merged.backward_calls += result.backward_calls
-        merged.reused_rows += result.reused_rows
-        merged.reuse_rejected |= result.reuse_rejected
-        if result.reuse_error is not None:
-            merged.reuse_error = max(merged.reuse_error or 0.0, result.reuse_error)
+        for w, result in zip(window_indices, results, strict=True):
+            if unit_mode != "exact":
+                stats[m][w].mode = result.mode
+            _merge(stats[m][w], result)
     return stats
 
 
@@ -550,6 +698,7 @@ def trajectory_gradient(
     mode: GradMode,
     jagg_frac: float = 1.0,
     routing: Sequence[bool] | None = None,
+    anchors: Anchors = "separate",
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
@@ -558,12 +707,12 @@ def trajectory_gradient(
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
-    :func:`accumulate_gradient` on a single micro-batch: windows routed by ``jagg_frac`` (or
-    an explicit per-window ``routing``) use ``mode``; the others are exact. With
-    ``mode="exact"`` every window is exact whatever the routing. ``known_velocities``: see
-    :func:`window_gradient`.
+    :func:`accumulate_gradient` on a single micro-batch: windows (laid out by ``anchors``)
+    routed by ``jagg_frac`` (or an explicit per-window ``routing``) use ``mode``; the others
+    are exact. With ``mode="exact"`` every window is exact whatever the routing.
+    ``known_velocities``: see :func:`unit_gradient`.
     """
-    windows = split_windows(steps, window)
+    windows = split_windows(steps, window, anchors)
     if routing is None:
         routing = route_windows(len(windows), jagg_frac)
     (stats,) = accumulate_gradient(
@@ -572,6 +721,7 @@ def trajectory_gradient(
         windows,
         routing,
         mode,
+        anchors=anchors,
         weights=weights,
         no_interp=no_interp,
         stack_forwards=stack_forwards,
@@ -630,10 +780,15 @@ def agreement(approx: torch.Tensor, exact: torch.Tensor) -> Agreement:
 
 @dataclass
 class WindowProbe:
-    """Agreement of each approximate mode with the exact gradient on one window."""
+    """Agreement of each approximate mode with the exact gradient on one window.
+
+    ``steps``: the trained steps the window owns; ``interval``: its interpolation span, from
+    anchor to anchor (under shared anchors it starts at the window before's last step).
+    """
 
     index: int
     steps: list[int]
+    interval: list[int]
     sigma_start: float
     sigma_end: float
     jagg: Agreement
@@ -642,6 +797,16 @@ class WindowProbe:
     def to_dict(self) -> dict[str, Any]:
         """The record every report uses: gradcheck's JSON, train metrics and checkpoints."""
         return asdict(self)
+
+
+def _owned_only(step_loss: StepLoss, owned: Sequence[int]) -> StepLoss:
+    """``step_loss`` on the steps ``owned``, zero (with a zero signal) on the others."""
+    owned = set(owned)
+
+    def loss(v: torch.Tensor, k: int) -> torch.Tensor:
+        return step_loss(v, k) if k in owned else (v * 0).sum()
+
+    return loss
 
 
 def probe_windows(
@@ -654,6 +819,7 @@ def probe_windows(
     steps: Sequence[int],
     *,
     window: int,
+    anchors: Anchors = "separate",
     weights: Weights = "time",
     no_interp: NoInterpVariant = "drop",
     stack_forwards: bool = True,
@@ -661,36 +827,49 @@ def probe_windows(
 ) -> list[WindowProbe]:
     """Per window, cos-sim and relative error of the jagg and no_interp gradients vs exact.
 
-    What ``jagg_frac: auto`` routes on; leaves the parameters' ``.grad`` as it found them.
+    The gradient of the steps a window owns, as the layout ``anchors`` computes it with every
+    window approximated: under shared anchors a window's interval borrows the anchor before
+    it, whose own step's signal (owned by the window before) is left out here. What
+    ``jagg_frac: auto`` routes on; leaves the parameters' ``.grad`` as it found them.
     """
     params = [p for p in params if p.requires_grad]
+    options = dict(
+        weights=weights,
+        no_interp=no_interp,
+        stack_forwards=stack_forwards,
+        endpoint_backward=endpoint_backward,
+    )
+    windows = split_windows(steps, window, anchors)
     probes = []
-    for index, chunk in enumerate(split_windows(steps, window)):
-        grads = {
-            mode: collect_gradient(
+    for index, (chunk, interval) in enumerate(zip(windows, layout_intervals(windows), strict=True)):
+        borrowed = interval[: len(interval) - len(chunk)] if anchors == "shared" else []
+        owned_loss = _owned_only(step_loss, chunk)
+        approximated = [borrowed, chunk] if borrowed else [chunk]
+        grads = {}
+        for mode in GRAD_MODES:
+            unit = [chunk] if mode == "exact" else approximated
+            grads[mode] = collect_gradient(
                 params,
-                lambda mode=mode, chunk=chunk: window_gradient(
+                functools.partial(
+                    unit_gradient,
                     velocity,
-                    step_loss,
+                    owned_loss,
                     latents,
                     sigmas,
                     cond,
-                    chunk,
+                    unit,
                     mode,
-                    weights=weights,
-                    no_interp=no_interp,
-                    stack_forwards=stack_forwards,
-                    endpoint_backward=endpoint_backward,
+                    **options,
                 ),
             )
-            for mode in GRAD_MODES
-        }
+        span = interval if anchors == "shared" else chunk
         probes.append(
             WindowProbe(
                 index=index,
                 steps=chunk,
-                sigma_start=float(sigmas[chunk[0]]),
-                sigma_end=float(sigmas[chunk[-1]]),
+                interval=span,
+                sigma_start=float(sigmas[span[0]]),
+                sigma_end=float(sigmas[span[-1]]),
                 jagg=agreement(grads["jagg"], grads["exact"]),
                 no_interp=agreement(grads["no_interp"], grads["exact"]),
             )

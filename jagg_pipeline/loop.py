@@ -28,7 +28,8 @@ class LoopRound:
     ``policy`` is what the rollout sampled from; ``checkpoint`` is None for the final rollout
     of the last policy (scored, not trained). ``update_seconds`` sums the train stage's
     forward / backward / optimizer seconds over the round's optimizer steps;
-    ``round_seconds`` is the wall time of rollout + score + train. ``evaluation`` holds the
+    ``round_seconds`` is the wall time of rollout + score + train, ``stage_seconds`` that of
+    each stage (in this process: no start-up, the model loads). ``evaluation`` holds the
     mean of each ``eval.metrics`` reward for ``policy`` when this round was evaluated.
     """
 
@@ -40,17 +41,24 @@ class LoopRound:
     reward_mean: float
     update_seconds: dict[str, float] = field(default_factory=dict)
     round_seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     evaluation: dict[str, float] | None = None
 
 
 def _scored_rollout(
-    config: Any, policy: str, directory: Path, round_index: int, progress: bool
+    config: Any,
+    policy: str,
+    directory: Path,
+    round_index: int,
+    progress: bool,
+    seconds: dict[str, float],
 ) -> tuple[Path, Path, float]:
     from jagg_pipeline.rollout import run_rollout
     from jagg_pipeline.scoring import run_score
 
     rollouts, scores = directory / "rollout", directory / "scores"
     sampler = config.sampler
+    start = time.perf_counter()
     run_rollout(
         config,
         policy,
@@ -61,8 +69,11 @@ def _scored_rollout(
         progress=progress,
     )
     keep_round_record(rollouts, directory, "rollout")
+    seconds["rollout"] = time.perf_counter() - start
+    start = time.perf_counter()
     summary = run_score(config, rollouts, scores).summary
     keep_round_record(scores, directory, "score")
+    seconds["score"] = time.perf_counter() - start
     return rollouts, scores, float(summary["total_mean"])
 
 
@@ -114,12 +125,17 @@ def run_rounds(
         directory = workdir / f"round-{round_index:04d}"
         checkpoint = directory / "checkpoint"
         start = time.perf_counter()
-        rollouts, scores, reward = _scored_rollout(config, policy, directory, round_index, progress)
+        stages: dict[str, float] = {}
+        rollouts, scores, reward = _scored_rollout(
+            config, policy, directory, round_index, progress, stages
+        )
         trained = round_index < count
         update: dict[str, float] = {}
         if trained:
+            train_start = time.perf_counter()
             result = train_round(config, policy, rollouts, scores, checkpoint, progress=progress)
             keep_round_record(checkpoint, directory, "train")
+            stages["train"] = time.perf_counter() - train_start
             update = _update_seconds(result.metrics)
         done = LoopRound(
             round_index,
@@ -130,6 +146,7 @@ def run_rounds(
             reward,
             update,
             time.perf_counter() - start,
+            stages,
         )
         if evaluate_every > 0 and (round_index % evaluate_every == 0 or round_index == total - 1):
             done.evaluation = evaluate_policy(config, policy)

@@ -158,11 +158,16 @@ def velocity_steps(config: Any, trained_steps: Sequence[int]) -> list[int]:
     jagg_config = config.jagg
     if not (config.sampler.store_velocities and jagg_config.reuse_velocities):
         return []
-    windows = len(jagg.split_windows(trained_steps, jagg_config.window))
+    windows = len(jagg.split_windows(trained_steps, jagg_config.window, jagg_config.anchors))
     frac = jagg_config.jagg_frac
     routed = None if frac == "auto" else jagg.route_windows(windows, frac)
     return jagg.reusable_steps(
-        trained_steps, jagg_config.window, routed, jagg_config.mode, jagg_config.no_interp
+        trained_steps,
+        jagg_config.window,
+        routed,
+        jagg_config.mode,
+        jagg_config.no_interp,
+        jagg_config.anchors,
     )
 
 

@@ -338,7 +338,7 @@ def _interior_path(stats: Sequence[Sequence[jagg.WindowStats]], window: int) -> 
     errors = [w.reuse_error for w in rows if w.reuse_error is not None]
     if any(w.reused_rows for w in rows):
         interior = "reused"
-    elif rows[0].mode != "exact" and any(w.forward_rows > 2 for w in rows):
+    elif any(w.recomputed_rows for w in rows):
         interior = "recomputed"
     else:
         interior = "none"
@@ -718,7 +718,9 @@ def train_round(
         # Build: the sharded policy, optimizer, schedule, EMA.
         trainer = _Trainer(config, ctx, policy, previous)
         # Plan and route: micro-batches into optimizer steps and ranks; windows to engines.
-        windows = jagg.split_windows(data.batch.trained_steps, config.jagg.window)
+        windows = jagg.split_windows(
+            data.batch.trained_steps, config.jagg.window, config.jagg.anchors
+        )
         plan = plan_steps(
             len(data.micro_batches), config.train.minibatches, ctx.world_size, trainer.generator
         )

@@ -12,7 +12,14 @@ import json
 
 import pytest
 
-from jagg_pipeline.bench import Case, format_report, predicted_cost, run_bench, write_outputs
+from jagg_pipeline.bench import (
+    Case,
+    analytic_rows,
+    format_report,
+    predicted_cost,
+    run_bench,
+    write_outputs,
+)
 from jagg_pipeline.bench_settings import BenchSettings
 
 STEPS = list(range(8))
@@ -30,6 +37,32 @@ def test_predicted_costs_follow_the_schedule():
     assert predicted_cost(Case("jagg", 4, 0.5), STEPS) == 8 + 12  # one window routed
 
 
+@pytest.mark.parametrize(
+    ("trained", "rows", "speedup"),
+    [
+        (12, {"exact": 12, "separate": 6, "shared": 5}, 2.4),
+        (16, {"exact": 16, "separate": 8, "shared": 6}, 8 / 3),
+    ],
+)
+def test_shared_anchors_need_about_one_row_per_w_minus_one_steps(trained, rows, speedup):
+    """Anchors every W - 1 steps: N / (W - 1) + 1 rows with grad against 2N / W (separate)."""
+    steps = list(range(trained))
+    exact = Case("exact", 4, 0.0)
+    assert analytic_rows(exact, steps) == (rows["exact"], 0)
+    for anchors in ("separate", "shared"):
+        reused = Case("jagg", 4, 1.0, reuse=True, anchors=anchors)
+        assert analytic_rows(reused, steps) == (rows[anchors], 0)
+        recomputed = Case("jagg", 4, 1.0, anchors=anchors)
+        assert analytic_rows(recomputed, steps) == (rows[anchors], trained - rows[anchors])
+    shared = Case("jagg", 4, 1.0, reuse=True, anchors="shared")
+    assert predicted_cost(exact, steps) / predicted_cost(shared, steps) == pytest.approx(speedup)
+    # Half the windows routed (12: 2 of 4, steps 0-6; 16: 3 of 5, steps 0-9): anchors every
+    # 3 steps on the routed run, one row per step on the rest.
+    half = Case("jagg", 4, 0.5, reuse=True, anchors="shared")
+    run = 7 if trained == 12 else 10
+    assert analytic_rows(half, steps)[0] == run // 3 + 1 + trained - run
+
+
 @pytest.mark.slow
 def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
     settings = BenchSettings(
@@ -38,12 +71,13 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
         windows=[4, 8],
         fracs=[1.0],
         num_steps=9,
+        long_steps=13,
         repeats=2,
         warmup=0,
         ranks=2,
     )
     report = run_bench(settings, progress=lambda _: None)
-    (backbone,) = report["backbones"]
+    backbone, longer = report["backbones"]
     rows = {row["case"]: row for row in backbone["cases"]}
     assert backbone["trained_steps"] == STEPS
     expected = {  # backward calls, network calls, reused rows, predicted speed-up
@@ -55,6 +89,10 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
         "jagg+reuse W=4 f=1 sequential": (4, 4, 4, 2.0),
         "no_interp W=4 f=1": (2, 2, 0, 2.0),
         "jagg+reuse W=8 f=1": (1, 1, 6, 4.0),
+        # Shared anchors 0, 3, 6, 7: interiors 1-2 and 4-5 (one stacked forward each).
+        "jagg W=4 f=1 shared": (1, 3, 0, 24 / 16),
+        "jagg+reuse W=4 f=1 shared": (1, 1, 4, 2.0),
+        "jagg+reuse W=4 f=1 shared sequential": (4, 4, 4, 2.0),
     }
     for case, (backward, network, reused, predicted) in expected.items():
         row = rows[case]
@@ -74,7 +112,13 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
         assert joint["peak_activation_bytes"] == pytest.approx(2 * exact_peak, rel=0.05)
         assert sequential["peak_activation_bytes"] == pytest.approx(exact_peak, rel=0.05)
     whole = backbone["round"]
-    assert whole["rollout"] > 0 and set(whole["round_speedup"]) == set(list(rows)[:6])
+    assert whole["rollout"] > 0 and set(whole["round_speedup"]) == set(list(rows)[:9])
+    # The headline cases again over 12 trained steps: 5 anchor rows, 2.4x analytic.
+    long_rows = {row["case"]: row for row in longer["cases"]}
+    assert len(longer["trained_steps"]) == 12 and set(long_rows) == set(list(rows)[:9])
+    shared = long_rows["jagg+reuse W=4 f=1 shared"]
+    assert (shared["analytic_rows"], shared["backward_calls"]) == (5, 1)
+    assert shared["predicted_speedup"] == pytest.approx(2.4)
     reduce = report["reduce_scatters"]
     assert reduce["world_size"] == 2
     assert set(reduce["per_step"].values()) == {reduce["groups"]}  # once per group per step

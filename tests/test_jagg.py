@@ -1,5 +1,7 @@
 """The gradient engines against exact gradients, explicit Jacobians and finite differences."""
 
+import itertools
+
 import pytest
 import torch
 from torch.func import functional_call, jacrev
@@ -508,17 +510,7 @@ def test_velocities_stored_in_a_finer_precision_than_training_computes_are_refus
         return p.velocity(z, sigma, cond).to(torch.bfloat16)
 
     def run(known):
-        return jagg.trajectory_gradient(
-            bf16_output,
-            p.objective(),
-            p.latents,
-            p.sigmas,
-            p.cond,
-            p.steps,
-            window=4,
-            mode="jagg",
-            known_velocities=known,
-        )
+        return p.gradient("jagg", network=bf16_output, known_velocities=known)[1]
 
     approximated = [w for w in run(p.velocities).windows if len(w.steps) > 2]
     assert all(w.reuse_rejected and w.reuse_error < 8 * 2**-7 for w in approximated)
@@ -553,3 +545,202 @@ def test_reusable_steps_are_the_approximated_windows_with_interiors(
     pairs = zip(windows, flags, strict=True)
     brute = [k for w, r in pairs if r and uses_interiors and len(w) >= 3 for k in w]
     assert got == brute == expected
+
+
+# 8. shared anchors: adjacent windows share their boundary step ------------------------------
+
+
+def test_shared_windows_own_w_minus_one_steps_after_the_first():
+    assert jagg.split_windows(range(12), 4, "shared") == [
+        [0, 1, 2, 3],
+        [4, 5, 6],
+        [7, 8, 9],
+        [10, 11],
+    ]
+    assert jagg.layout_intervals([[0, 1, 2, 3], [4, 5, 6], [7]]) == [
+        [0, 1, 2, 3],
+        [3, 4, 5, 6],
+        [6, 7],
+    ]
+    assert jagg.approximated_units([True, True, False, True, True], "shared") == [[0, 1], [3, 4]]
+    assert jagg.approximated_units([True, True, False], "separate") == [[0], [1]]
+    with pytest.raises(ValueError, match="window must be >= 2 with shared"):
+        jagg.split_windows(range(5), 1, "shared")
+    with pytest.raises(ValueError, match="anchors must be one of"):
+        jagg.split_windows(range(5), 3, "overlapping")
+
+
+@pytest.mark.parametrize("window", [3, 4, 5])
+def test_shared_anchors_are_exact_for_affine_field_on_the_chord(window):
+    p = problem(backbone="affine", trajectory="chord", window=window, num_steps=17)
+    exact, _ = p.gradient("exact")
+    for backward in ("joint", "sequential"):
+        shared, stats = p.gradient("jagg", anchors="shared", endpoint_backward=backward)
+        assert rel_err(shared, exact) < 1e-12, backward
+    assert all(probe.jagg.rel_err < 1e-12 for probe in p.probe("shared"))
+    assert exact.norm() > 0
+    # ... and really shares: one row per W - 1 steps after the first anchor.
+    assert stats.forward_rows == len(p.steps)  # anchors and interiors, each once
+    assert stats.backward_calls == 1 + -(-(len(p.steps) - 1) // (window - 1))
+
+
+def test_shared_anchors_with_spacing_one_are_exact_on_a_nonlinear_model():
+    """W = 2: every step is an anchor, so nothing is interpolated."""
+    p = problem(backbone="mlp-dit", trajectory="sde", window=2)
+    exact, _ = p.gradient("exact")
+    for backward in ("joint", "sequential"):
+        shared, stats = p.gradient("jagg", anchors="shared", endpoint_backward=backward)
+        assert rel_err(shared, exact) < 1e-12
+        assert stats.forward_rows == len(p.steps)
+
+
+def test_shared_anchors_match_explicit_jacobian_interpolation_on_a_nonlinear_model():
+    """Independent reference: form every anchor's Jacobian explicitly, interpolate it on each
+    interval, and sum J_k^T s_k over every step of the run (each counted once)."""
+    p = problem(backbone="mlp-dit", trajectory="sde", batch=2)
+    module = p.backbone.module
+    params = {n: q.detach() for n, q in module.named_parameters()}
+    windows = jagg.split_windows(p.steps[:10], 4, "shared")  # intervals 0-3, 3-6, 6-9
+    steps = [k for w in windows for k in w]
+    batch = p.latents.shape[0]
+
+    def velocity_of(theta, k):
+        sigma = sde.sigma_batch(p.sigmas, k, batch, p.latents.dtype)
+        return functional_call(module, theta, (p.latents[:, k], sigma, p.cond))
+
+    objective = p.objective()
+    signals = {}
+    for k in steps:
+        v = velocity_of(params, k).requires_grad_(True)
+        (signals[k],) = torch.autograd.grad(objective(v, k), v)
+    anchors = [steps[0]] + [w[-1] for w in windows]
+    jac = {a: jacrev(velocity_of)(params, a) for a in anchors}
+    t = {k: float(p.sigmas[k]) for k in steps}
+    interpolated = {}
+    for left, right in itertools.pairwise(anchors):
+        for k in range(left, right + 1):
+            a = (t[left] - t[k]) / (t[left] - t[right])
+            interpolated[k] = {n: (1 - a) * jac[left][n] + a * jac[right][n] for n in params}
+    out_dims = signals[steps[0]].dim()
+    expected = torch.cat(
+        [
+            sum(
+                torch.tensordot(signals[k], interpolated[k][n], dims=out_dims) for k in steps
+            ).flatten()
+            for n in params
+        ]
+    )
+    for backward in ("joint", "sequential"):
+        got = jagg.collect_gradient(
+            p.params,
+            lambda backward=backward: jagg.unit_gradient(
+                p.velocity,
+                p.objective(),
+                p.latents,
+                p.sigmas,
+                p.cond,
+                windows,
+                "jagg",
+                endpoint_backward=backward,
+            ),
+        )
+        assert rel_err(got, expected) < 1e-12, backward
+    separate = sum(window_grads(p, w, "jagg") for w in jagg.split_windows(steps, 4))
+    assert rel_err(got, separate) > 1e-6  # another approximation, not the same one
+
+
+@pytest.mark.parametrize(
+    ("trained", "rows"),
+    [
+        (12, {"exact": 12, "separate": 6, "shared": 5}),
+        (16, {"exact": 16, "separate": 8, "shared": 6}),
+    ],
+)
+def test_shared_anchors_need_fewer_rows_with_reuse(trained, rows):
+    """Over 12 trained steps at W = 4: 5 anchor rows against 6 (separate) and 12 (exact);
+    over 16: 6 against 8 and 16. With the rollout's velocities, no interior forward."""
+    p = problem(backbone="mlp-dit", trajectory="sde", window=4, num_steps=trained + 1)
+    assert len(p.steps) == trained
+    batch = p.latents.shape[0]
+    exact, _ = p.gradient("exact")
+    joint_calls = {"separate": rows["separate"] // 2, "shared": 1}
+    for layout in ("separate", "shared"):
+        for backward in ("joint", "sequential"):
+            net = Counting(p.backbone.module, batch)
+            grads, _ = p.gradient(
+                "jagg",
+                network=net,
+                anchors=layout,
+                known_velocities=p.velocities,
+                endpoint_backward=backward,
+            )
+            assert net.rows == rows[layout], (layout, backward)
+            calls = joint_calls[layout] if backward == "joint" else rows[layout]
+            assert net.backward_calls == calls, (layout, backward)
+            assert rel_err(grads, exact) < 0.5  # an approximation of the same gradient
+
+
+@pytest.mark.parametrize("endpoint_backward", ["joint", "sequential"])
+@pytest.mark.parametrize("backbone", ["mlp-dit", "tiny-flux"])
+def test_shared_anchors_reuse_stored_velocities_and_notice_stale_ones(backbone, endpoint_backward):
+    p = problem(backbone=backbone, trajectory="sde", window=4, batch=3)
+    options = dict(anchors="shared", endpoint_backward=endpoint_backward)
+    for mode, variant in [("jagg", "drop"), ("no_interp", "nearest")]:
+        recomputed, plain = p.gradient(mode, no_interp=variant, **options)
+        reused, fast = p.gradient(mode, no_interp=variant, known_velocities=p.velocities, **options)
+        assert rel_err(reused, recomputed) < 1e-12, mode
+        assert plain.forward_rows == len(p.steps) and plain.reused_rows == 0
+        assert fast.reused_rows > 0 and fast.forward_rows + fast.reused_rows == len(p.steps)
+    recomputed, _ = p.gradient("jagg", **options)
+    stale = {k: v * (1 + 1e-3) for k, v in p.velocities.items()}
+    checked, stats = p.gradient("jagg", known_velocities=stale, **options)
+    assert rel_err(checked, recomputed) < 1e-12
+    assert all(w.reuse_rejected and w.reused_rows == 0 for w in stats.windows)
+    # The per-window records add up to the unit's work: every interior once, every anchor once.
+    _, fresh = p.gradient("jagg", known_velocities=p.velocities, **options)
+    assert fresh.forward_rows + fresh.reused_rows == len(p.steps)
+    assert not any(w.reuse_rejected for w in fresh.windows)
+
+
+def test_shared_anchors_follow_the_routing():
+    """jagg_frac routes whole windows: a run of routed windows shares anchors, the rest is
+    exact; a gap in the routing starts a new run."""
+    p = problem(backbone="mlp-dit", trajectory="sde", window=3, num_steps=13)
+    windows = jagg.split_windows(p.steps, 3, "shared")  # 0-2, 3-4, 5-6, 7-8, 9-10, 11
+    assert len(windows) == 6
+    routing = [True, True, False, True, True, False]
+    got, stats = p.gradient("jagg", anchors="shared", routing=routing)
+    assert [w.mode for w in stats.windows] == ["jagg", "jagg", "exact", "jagg", "jagg", "exact"]
+    expected = (
+        jagg.collect_gradient(
+            p.params,
+            lambda: jagg.unit_gradient(
+                p.velocity, p.objective(), p.latents, p.sigmas, p.cond, windows[:2], "jagg"
+            ),
+        )
+        + jagg.collect_gradient(
+            p.params,
+            lambda: jagg.unit_gradient(
+                p.velocity, p.objective(), p.latents, p.sigmas, p.cond, windows[3:5], "jagg"
+            ),
+        )
+        + window_grads(p, windows[2], "exact")
+        + window_grads(p, windows[5], "exact")
+    )
+    assert rel_err(got, expected) < 1e-12
+    exact, _ = p.gradient("exact")
+    none_routed, _ = p.gradient("jagg", anchors="shared", jagg_frac=0.0)
+    assert torch.equal(none_routed, exact)
+
+
+@pytest.mark.parametrize(
+    ("routed", "expected"),
+    [
+        (None, list(range(11))),  # intervals 0-3, 3-6, 6-9, 9-10: one unit with interiors
+        ([True, False, False, False], [0, 1, 2, 3]),
+        ([False, False, True, True], [7, 8, 9, 10]),  # intervals 7-9 (a run's first), 9-10
+        ([False, False, False, True], []),  # a lone one-step window: nothing to fill in
+    ],
+)
+def test_reusable_steps_follow_the_shared_layout(routed, expected):
+    assert jagg.reusable_steps(range(11), 4, routed, "jagg", anchors="shared") == expected

@@ -244,6 +244,32 @@ def test_rollout_velocities_are_reused_on_the_on_policy_step_only(tiny_sd3, base
     assert max_difference(policy_weights(tmp_path / "a"), policy_weights(tmp_path / "b")) <= 1e-15
 
 
+def test_shared_anchors_train_with_the_rollouts_velocities(tiny_sd3, tmp_path):
+    """jagg.anchors shared over 8 trained steps at W = 4: windows own steps 0-3, 4-6 and 7
+    (anchors 0, 3, 6, 7: one backward call each, counted on the window that owns it); the
+    rollout stores every step's velocity, the on-policy step reuses the interiors, and the
+    update equals the one that recomputes them."""
+    jagg = {"mode": "jagg", "window": 4, "jagg_frac": 1.0, "anchors": "shared"}
+    config = make_config(tiny_sd3, jagg=jagg)
+    rollout = scored_rollout(config, tmp_path / "round")
+    fast = _train(config, rollout, tmp_path / "reuse")
+    no_reuse = make_config(tiny_sd3, jagg=jagg | {"reuse_velocities": False})
+    slow = _train(no_reuse, scored_rollout(no_reuse, tmp_path / "plain"), tmp_path / "recompute")
+    (row,) = fast.metrics
+    per_batch = row["micro_batches_per_rank"]
+    windows = [(w["steps"], w["backward_calls"], w["interior"]) for w in row["windows"]]
+    assert windows == [
+        ([0, 1, 2, 3], 2 * per_batch, "reused"),
+        ([4, 5, 6], 1 * per_batch, "reused"),
+        ([7], 1 * per_batch, "none"),
+    ]
+    assert [w["interior"] for w in slow.metrics[0]["windows"]] == ["recomputed"] * 2 + ["none"]
+    assert (
+        max_difference(policy_weights(tmp_path / "reuse"), policy_weights(tmp_path / "recompute"))
+        <= 1e-15
+    )
+
+
 def _update(config, checkpoint):
     """The flat float64 change a checkpoint made to the base weights."""
     from jagg_pipeline.policy import load_policy

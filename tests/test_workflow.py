@@ -26,6 +26,7 @@ from jagg_pipeline.experiments import resolve_runs, stage_digest, workflow_schem
 TARGETS = (
     "all",
     "compare_modes",
+    "compare_anchors",
     "ablation_no_interp",
     "sweep_jagg_frac",
     "sweep_window",

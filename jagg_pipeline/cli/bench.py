@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Samples one trajectory batch per backbone (velocities recorded, as a rollout "
             "stores them), then times one optimizer step's update (forward, backward, "
             "optimizer) of exact, jagg and jagg with the rollout's velocities reused (each "
-            "with the joint and the sequential endpoint backward), and no_interp on it, "
+            "with the joint and the sequential endpoint backward), no_interp, and jagg with "
+            "shared anchors (adjacent windows share their boundary step) on it, "
             "interleaved after a warm-up at a fixed thread count: medians, quartiles, "
             "speed-ups over exact beside the analytic prediction, network calls, peak "
             "activation memory. The W x jagg_frac sweep runs on --sweep-backbone; a "
@@ -68,6 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=defaults.num_steps,
         help="denoising steps (all but the last trained)",
     )
+    p.add_argument(
+        "--long-steps",
+        type=int,
+        default=defaults.long_steps,
+        help="the headline cases again on the sweep backbone with this many denoising steps "
+        "(0: skip)",
+    )
     p.add_argument("--repeats", type=int, default=defaults.repeats, help="timed passes per case")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed passes first")
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch threads")
@@ -98,6 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         window=args.window,
         batch=args.batch,
         num_steps=args.steps,
+        long_steps=args.long_steps,
         repeats=args.repeats,
         warmup=args.warmup,
         threads=args.threads,

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Build a trajectory batch on a backbone, a GRPO objective on it, and report for each "
             "window of trained steps the cosine similarity and relative error of the jagg and "
             "no_interp gradients against the exact one, plus the network backward calls each "
-            "mode spends on the whole trajectory. On --backbone affine --trajectory chord "
+            "mode spends on the whole trajectory, for both anchor layouts (separate: each "
+            "window its own two ends; shared: adjacent windows share their boundary step). On "
+            "--backbone affine --trajectory chord "
             "--dtype float64 JAGG is exact (rel_err ~1e-15); SDE noise or a nonlinear backbone "
             "makes it approximate."
         ),
@@ -115,7 +117,12 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline.artifacts import atomic_write_json
-    from jagg_pipeline.gradcheck import GradcheckSettings, format_report, run_gradcheck
+    from jagg_pipeline.gradcheck import (
+        GradcheckSettings,
+        format_report,
+        run_gradcheck,
+        worst_rel_err,
+    )
 
     torch.set_num_threads(1)
     settings = GradcheckSettings(
@@ -137,7 +144,7 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
     if args.json:
         print(f"report written to {atomic_write_json(args.json, report)}")
     if args.max_rel_err is not None:
-        worst = max(w["jagg"]["rel_err"] for w in report["windows"])
+        worst = worst_rel_err(report)
         if not worst <= args.max_rel_err:
             print(f"FAIL: worst window jagg rel_err {worst:.3e} > {args.max_rel_err:.3e}")
             return 1
