@@ -7,6 +7,7 @@ on a quickly built toy world and reads back which libraries each imported and it
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -76,6 +77,48 @@ def test_a_command_collects_less_often_and_exits_without_collecting():
         "runpy.run_module('jagg_pipeline', run_name='__main__', alter_sys=True)"
     )
     assert _python(code).splitlines()[-1] == f"{startup.COMMAND_GC_THRESHOLDS} True"
+
+
+def test_a_stage_command_collects_nothing_until_its_stage_starts():
+    # The collector is off through the imports; the stage's start freezes them and turns it on.
+    code = (
+        "import gc, json\n"
+        "from jagg_pipeline import startup\n"
+        "states = []\n"
+        "for argv in (['config', 'show'], ['--x', 'rollout', '--config', 'c.yaml']):\n"
+        "    gc.enable(); gc.unfreeze(); startup._import_claimed = False\n"
+        "    startup.start_command(argv)\n"
+        "    off = gc.isenabled()\n"
+        "    startup.StageClock.start()\n"
+        "    states.append([off, gc.isenabled(), gc.get_freeze_count() > 0])\n"
+        "print(json.dumps(states))"
+    )
+    other, stage = json.loads(_python(code).splitlines()[-1])
+    assert other == [True, True, False]
+    assert stage == [False, True, True]
+
+
+def test_an_import_block_freezes_its_modules_but_not_the_garbage_before_it(monkeypatch):
+    # Outside a command process it changes nothing.
+    frozen = gc.get_freeze_count()
+    with startup.importing():
+        assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
+    code = (
+        "import gc, json, weakref\n"
+        "from jagg_pipeline import startup\n"
+        "startup.start_command(['train'])\n"
+        "startup.StageClock.start()\n"
+        "class Node: pass\n"
+        "node = Node(); node.self = node; alive = weakref.ref(node); del node\n"
+        "frozen = gc.get_freeze_count()\n"
+        "with startup.importing():\n"
+        "    inside = gc.isenabled()\n"
+        "    import json.tool\n"
+        "print(json.dumps([inside, gc.isenabled(), gc.get_freeze_count() > frozen, "
+        "alive() is None]))"
+    )
+    assert json.loads(_python(code).splitlines()[-1]) == [False, True, True, True]
 
 
 def test_a_stage_inside_another_program_records_load_and_work_only(monkeypatch):

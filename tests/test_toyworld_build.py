@@ -9,7 +9,12 @@ from safetensors.torch import load_file
 from jagg_pipeline.backbones import BackboneSpec, load_backbone
 from jagg_pipeline.rewards import load_reward, parse_spec
 from jagg_pipeline.toyworld import data
-from jagg_pipeline.toyworld.build import build_toyworld, sample_images
+from jagg_pipeline.toyworld.build import (
+    build_toyworld,
+    pretrain_backbone,
+    sample_images,
+    staged_folder,
+)
 from jagg_pipeline.toyworld.models import toy_backbone_options
 from jagg_pipeline.toyworld.settings import (
     TOY_FAMILIES,
@@ -95,6 +100,35 @@ def test_same_seed_gives_bit_identical_weights(quick_world, tmp_path):
     a = load_file(next((out / "sd3" / "transformer").glob("*.safetensors")))
     b = load_file(next((other / "sd3" / "transformer").glob("*.safetensors")))
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def _without_seconds(report):
+    """A report without its timings (the one part two builds do not share)."""
+    if isinstance(report, dict):
+        return {k: _without_seconds(v) for k, v in report.items() if k != "seconds"}
+    return report
+
+
+def test_a_build_finished_from_its_pretraining_writes_the_same_files(quick_world, tmp_path):
+    # The workflow's split: pretraining first (no CLIP yet), then the build finishes from it.
+    out, _ = quick_world
+    staged = pretrain_backbone(tmp_path, quick(), progress=False)
+    assert staged == staged_folder(tmp_path, "sd3") and not (tmp_path / "sd3").exists()
+    build_toyworld(tmp_path, quick(), progress=False)
+    assert staged.is_dir()  # the pretraining's folder belongs to whoever made it
+    files, again = (
+        sorted(p.relative_to(root) for p in (root / "sd3").rglob("*") if p.is_file())
+        for root in (out, tmp_path)
+    )
+    assert files == again
+    for name in [f for f in files if f.name != "manifest.json"] + [
+        "samples-sd3.png",
+        "loss-sd3.png",
+    ]:
+        assert (out / name).read_bytes() == (tmp_path / name).read_bytes(), name
+    for name in ("report-sd3.json", "sd3/manifest.json"):
+        first, again = (json.loads((root / name).read_text()) for root in (out, tmp_path))
+        assert _without_seconds(first) == _without_seconds(again), name
 
 
 @pytest.mark.parametrize("family", [f for f in TOY_FAMILIES if f != "sd3"])

@@ -78,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     names = {_name(module) for module in COMMANDS}
-    # The command is the first word that is not an option (the top level has no valued ones).
-    chosen = next((word for word in argv if not word.startswith("-")), None)
+    from jagg_pipeline.startup import command_word
+
+    chosen = command_word(argv)
     parser = build_parser(chosen if chosen in names else "")
     args = parser.parse_args(argv)
     return args.handler(args)

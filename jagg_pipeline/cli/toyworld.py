@@ -1,7 +1,9 @@
-"""``toyworld build|clip``: build the embedded toy world (pretrained toy DiT, toy CLIP, report).
+"""``toyworld build|clip|pretrain``: build the embedded toy world (toy DiT, toy CLIP, report).
 
 ``clip`` builds only the toy CLIP, so that builds of several families (the workflow runs them
-in parallel) share one CLIP instead of racing to write it.
+in parallel) share one CLIP instead of racing to write it. ``pretrain`` does the backbone's part
+that needs no CLIP (into ``OUT/pretrain-<family>/``), so that it runs beside the CLIP's job;
+``build`` then finishes from it.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "action",
-        choices=("build", "clip"),
-        help="build: the CLIP (unless built with these settings) and the backbone; clip: the "
-        "CLIP only",
+        choices=("build", "clip", "pretrain"),
+        help="build: the CLIP (unless built with these settings) and the backbone (finishing "
+        "from OUT/pretrain-<family>/ if pretrain made it with these settings); clip: the CLIP "
+        "only; pretrain: the backbone's pretraining and samples, into OUT/pretrain-<family>/",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(
@@ -65,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip
+    from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip, pretrain_backbone
     from jagg_pipeline.toyworld.settings import BuildSettings
 
     torch.set_num_threads(1)
@@ -83,6 +86,10 @@ def _run(args: argparse.Namespace) -> int:
             f"toy CLIP in {args.out / 'clip'}: top-1 among 16 held-out captions "
             f"{clip['top1_16']:.3f}"
         )
+        return 0
+    if args.action == "pretrain":
+        staged = pretrain_backbone(args.out, settings, progress=not args.quiet)
+        print(f"toy {settings.family} pretrained into {staged}")
         return 0
     report = build_toyworld(args.out, settings, progress=not args.quiet)
     rows = [
