@@ -1,6 +1,6 @@
 # The two commands a fresh machine needs: `make run` (the main job) and `make test`.
 # Both create .venv on first use; every pip call goes through constraints.txt so that no
-# later package can move the pinned torch/torchvision pair (DESIGN 8.1).
+# later package can move the pinned torch/torchvision pair.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv

@@ -23,8 +23,21 @@ from pathlib import Path
 from typing import Any
 
 
-class DiskFullError(OSError):
+class OutputError(OSError):
+    """An output could not be written; the message names it.
+
+    What stood there before is intact. The command line reports it as one ``error:`` line
+    (in a workflow job's log).
+    """
+
+
+class DiskFullError(OutputError):
     """A write ran out of space (or quota); what stood at the target before is intact."""
+
+
+# What an unwritable destination raises: no permission, a read-only filesystem, or a file
+# where a folder should be (and the reverse).
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
 
 
 def _out_of_space(err: BaseException, folder: Path | None = None) -> bool:
@@ -46,6 +59,53 @@ def _disk_full(target: Path, err: BaseException) -> DiskFullError:
     )
 
 
+def _about(target: Path, name: Path) -> bool:
+    """Whether an error about path ``name`` is about writing ``target``.
+
+    That is: the target, a folder above it, its hidden siblings (``.NAME.*``: temporary copy,
+    staging folder, retired self), or anything inside the target or its staging folder.
+    """
+    sibling = name.parent == target.parent and name.name.startswith(f".{target.name}.")
+    inside = (target, staging_path(target))
+    return (
+        name == target
+        or name in target.parents
+        or sibling
+        or any(folder in name.parents for folder in inside)
+    )
+
+
+def _refuse_unwritable(target: Path, err: BaseException) -> None:
+    """Raise :class:`OutputError` naming ``target`` when ``err`` says it cannot be written.
+
+    An error about another path (an input the writer reads) is left alone.
+    """
+    if not isinstance(err, OSError) or isinstance(err, OutputError):
+        return
+    if err.errno not in _UNWRITABLE:
+        return
+    names = [Path(name) for name in (err.filename, err.filename2) if name is not None]
+    if names and not any(_about(target, name) for name in names):
+        return
+    where = f" ({names[0]})" if names and names[0] != target else ""
+    raise OutputError(
+        err.errno,
+        f"{target}: cannot write it: {err.strerror}{where}; make its folder writable by this "
+        "user (or free the path) and rerun. What was there before is intact.",
+    ) from err
+
+
+def make_folder(path: str | os.PathLike[str]) -> Path:
+    """``mkdir -p path``; a folder that cannot be made raises :class:`OutputError` naming it."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        _refuse_unwritable(folder, err)
+        raise
+    return folder
+
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -61,14 +121,18 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
 
     For writers that want a file name (parquet, safetensors, torch.save); on any error the
     temporary file is removed and ``path`` is left as it was (a full disk raises
-    :class:`DiskFullError` naming ``path``). Temporary files of a killed earlier write of
-    ``path`` are removed first.
+    :class:`DiskFullError`, an unwritable destination :class:`OutputError`, both naming
+    ``path``). Temporary files of a killed earlier write of ``path`` are removed first.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        leftover.unlink(missing_ok=True)  # of a write killed before it could clean up
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    make_folder(target.parent)
+    try:
+        for leftover in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+            leftover.unlink(missing_ok=True)  # of a write killed before it could clean up
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        _refuse_unwritable(target, err)
+        raise
     os.close(fd)
     # mkstemp makes the file private (0600); results on a shared filesystem are for the group
     # too, so give it the mode a plain open() would.
@@ -82,6 +146,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         Path(tmp).unlink(missing_ok=True)
         if _out_of_space(err):
             raise _disk_full(target, err) from err
+        _refuse_unwritable(target, err)
         raise
 
 
@@ -134,7 +199,7 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     staging, retired = staging_path(target), _retired_path(target)
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir(parents=True)
+    make_folder(staging)
     try:
         yield staging
         _fsync_tree(staging)
@@ -143,13 +208,18 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         if full:
             raise _disk_full(target, err) from err
+        _refuse_unwritable(target, err)
         raise
-    if target.exists():
-        os.replace(target, retired)
-        os.replace(staging, target)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, target)
+    try:
+        if target.exists():
+            os.replace(target, retired)
+            os.replace(staging, target)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, target)
+    except OSError as err:
+        _refuse_unwritable(target, err)
+        raise
 
 
 METRICS_NAME = "metrics.jsonl"

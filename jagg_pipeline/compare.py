@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jagg_pipeline.artifacts import atomic_output, atomic_write_text
+from jagg_pipeline.artifacts import atomic_output, atomic_write_text, make_folder
 from jagg_pipeline.summary import (
     UPDATE_PARTS,
     RunMetrics,
@@ -219,8 +219,7 @@ def write_comparison(
     runs: Sequence[RunMetrics], out: str | Path, title: str, source: str
 ) -> dict[str, Any]:
     """``index.html``, ``table.md`` and the PNGs of ``runs`` in the folder ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(out)
     summary = summarise(runs)
     markdown = table(summary)
     # As the summary's table.md: the variants, then the stages' start-up.

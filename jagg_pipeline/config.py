@@ -5,7 +5,7 @@ Sections: ``backbone`` (:class:`BackboneSpec`, with its :class:`LoraSettings`), 
 ``rewards`` (:class:`RewardsSpec`, one field per registered reward), ``train``, ``eval``,
 ``tracking``. The JSON Schema that Snakemake validates config.yaml against is derived from
 these classes (``python -m jagg_pipeline config schema``), so the two cannot drift apart.
-Defaults describe the embedded toy world (DESIGN section 6).
+Defaults describe the embedded toy world.
 
 Torch-free on purpose: every Snakemake job parses the config at start-up. The backbone and
 reward modules that use these types (and map the dtype names to torch dtypes) import them from
@@ -338,7 +338,9 @@ class SamplerConfig:
     prompt_column: str | None = field(None, help="prompt column of a tabular prompt file")
     num_steps: int = field(10, help="denoising steps of a rollout", minimum=1)
     step: Literal["flow_grpo", "dance_grpo", "cps"] = field(
-        "flow_grpo", help="SDE step family (DESIGN section 3)"
+        "flow_grpo",
+        help="SDE step family: flow_grpo (Flow-GRPO), dance_grpo (DanceGRPO) or cps "
+        "(coefficients-preserving sampling)",
     )
     noise_level: float = field(
         0.7,

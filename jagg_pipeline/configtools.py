@@ -8,6 +8,7 @@ metadata) that Snakemake validates config.yaml against. Knows nothing of torch o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -15,13 +16,13 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from jagg_pipeline.errors import InputError
+from jagg_pipeline.errors import InputError, shown
 
 T = TypeVar("T")
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -30,6 +31,10 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 NUMBER_PATTERN = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 # field() keyword -> the JSON Schema keyword of a numeric bound.
 _BOUNDS = {"minimum": "minimum", "maximum": "maximum", "exclusive_minimum": "exclusiveMinimum"}
+# What a YAML document may expand to once its aliases are followed: a config is a few hundred
+# nodes, so these refuse an alias bomb (a KB of text that expands to 10^9 nodes) at once.
+MAX_YAML_NODES = 100_000
+MAX_YAML_CHARS = 10_000_000
 
 
 class ConfigError(InputError):
@@ -68,11 +73,11 @@ def _bound_error(value: Any, metadata: Mapping[str, Any]) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     if "minimum" in metadata and value < metadata["minimum"]:
-        return f"{value!r} is below the minimum {metadata['minimum']!r}"
+        return f"{shown(value)} is below the minimum {metadata['minimum']!r}"
     if "exclusive_minimum" in metadata and value <= metadata["exclusive_minimum"]:
-        return f"{value!r} must be above {metadata['exclusive_minimum']!r}"
+        return f"{shown(value)} must be above {metadata['exclusive_minimum']!r}"
     if "maximum" in metadata and value > metadata["maximum"]:
-        return f"{value!r} is above the maximum {metadata['maximum']!r}"
+        return f"{shown(value)} is above the maximum {metadata['maximum']!r}"
     return None
 
 
@@ -105,13 +110,14 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
     origin = get_origin(annotation)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {shown(value)}")
         return from_dict(annotation, value, source=source, prefix=key, base=base)
     if origin is Literal:
         choices = get_args(annotation)
         if value not in choices:
             raise ConfigError(
-                f"{_where(key, source)}: {value!r} is not one of {', '.join(map(repr, choices))}"
+                f"{_where(key, source)}: {shown(value)} is not one of "
+                f"{', '.join(map(repr, choices))}"
             )
         return value
     if origin in (Union, types.UnionType):
@@ -128,17 +134,29 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
                 return _check(value, option, key, source)
             except ConfigError as exc:
                 errors.append(str(exc).split(": ", 2)[-1])
-        raise ConfigError(f"{_where(key, source)}: {value!r} fits none of: {'; '.join(errors)}")
+        raise ConfigError(
+            f"{_where(key, source)}: {shown(value)} fits none of: {'; '.join(errors)}"
+        )
     if origin in (list, tuple, Sequence):
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{_where(key, source)}: expected a list, got {value!r}")
+            raise ConfigError(f"{_where(key, source)}: expected a list, got {shown(value)}")
         (item,) = get_args(annotation)[:1] or (Any,)
         items = [_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {value!r}")
-        _, item = get_args(annotation)
+            raise ConfigError(f"{_where(key, source)}: expected a mapping, got {shown(value)}")
+        names, item = get_args(annotation)
+        for k in value:
+            if names is str and not isinstance(k, str):
+                # A name that YAML 1.1 typed: on/off/yes/no are booleans, 010 is the number 8.
+                kinds = {bool: "a boolean", int: "a number", float: "a number"}
+                kind = "null" if k is None else kinds.get(type(k), f"a {type(k).__name__}")
+                raise ConfigError(
+                    f"{_where(key, source)}: the name {shown(k)} is {kind}, not text (YAML "
+                    "reads on/off/yes/no/true/false as booleans and 010 as the number 8); "
+                    "quote it in the file, e.g. 'on': or '010':"
+                )
         return {str(k): _check(v, item, f"{key}.{k}", source) for k, v in value.items()}
     if annotation is Any:
         return value
@@ -146,18 +164,18 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
         if isinstance(value, str) and re.fullmatch(NUMBER_PATTERN, value):
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{_where(key, source)}: expected a number, got {value!r}")
+            raise ConfigError(f"{_where(key, source)}: expected a number, got {shown(value)}")
         if not math.isfinite(value):
-            raise ConfigError(f"{_where(key, source)}: must be a finite number, got {value!r}")
+            raise ConfigError(f"{_where(key, source)}: must be a finite number, got {shown(value)}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{_where(key, source)}: expected an integer, got {value!r}")
+            raise ConfigError(f"{_where(key, source)}: expected an integer, got {shown(value)}")
         return value
     if annotation in (str, bool):
         if not isinstance(value, annotation):
             raise ConfigError(
-                f"{_where(key, source)}: expected {annotation.__name__}, got {value!r}"
+                f"{_where(key, source)}: expected {annotation.__name__}, got {shown(value)}"
             )
         return value
     raise TypeError(f"unsupported config annotation {annotation!r} at {key}")
@@ -187,7 +205,7 @@ def from_dict(
     """
     hints = get_type_hints(cls)
     fields = _config_fields(cls)
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         keys = ", ".join(f"{prefix}.{k}" if prefix else str(k) for k in unknown)
         # A section's MOVED_KEYS (old name -> where it lives now) turn into the fix.
@@ -240,18 +258,87 @@ def to_dict(config: Any) -> Any:
     return config
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML without silent surprises: a key given twice in one mapping is an error."""
+class YAMLBoundError(yaml.composer.ComposerError):
+    """A YAML document whose aliases expand beyond the bounds, or refer to themselves."""
+
+
+def _check_expansion(root: yaml.Node | None) -> None:
+    """Refuse a YAML document that its aliases would blow up, or that contains itself.
+
+    Following ``root``'s aliases must give at most :data:`MAX_YAML_NODES` nodes and
+    :data:`MAX_YAML_CHARS` characters of scalars. An alias is the very node of its anchor,
+    so sizes are summed once per node (memoised): linear in the document, however much it
+    would expand.
+    """
+    sizes: dict[int, tuple[int, int]] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> tuple[int, int]:
+        ident = id(node)
+        if ident in sizes:
+            return sizes[ident]
+        if ident in open_nodes:
+            raise YAMLBoundError(
+                None, None, "an alias refers to a node that contains it", node.start_mark
+            )
+        open_nodes.add(ident)
+        if isinstance(node, yaml.ScalarNode):
+            nodes, chars = 1, len(node.value)
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else sum(node.value, ())
+            nodes, chars = 1, 0
+            for child in children:
+                child_nodes, child_chars = size(child)
+                nodes, chars = nodes + child_nodes, chars + child_chars
+        open_nodes.discard(ident)
+        if nodes > MAX_YAML_NODES or chars > MAX_YAML_CHARS:
+            raise YAMLBoundError(
+                None,
+                None,
+                f"with its aliases followed this value holds more than {MAX_YAML_NODES} "
+                f"values or {MAX_YAML_CHARS} characters (an alias bomb?); write it out or "
+                "use fewer aliases",
+                node.start_mark,
+            )
+        sizes[ident] = nodes, chars
+        return sizes[ident]
+
+    if root is not None:
+        size(root)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """Safe YAML whose aliases cannot blow up.
+
+    :func:`_check_expansion` runs before anything is built; merge keys (``<<: *base``) work
+    as in any YAML 1.1 loader.
+    """
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+
+class _StrictLoader(_BoundedLoader):
+    """Bounded YAML without silent surprises: a key given twice in one mapping is an error.
+
+    Keys that a merge (``<<: *base``) brings in may be given again: that is what a merge is for.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the constructor below refuses it, naming the line
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
-                    f"duplicate key {key!r} (first on line {seen[key]}): the last one would "
+                    f"duplicate key {shown(key)} (first on line {seen[key]}): the last one would "
                     "silently win",
                     key_node.start_mark,
                 )
@@ -259,16 +346,42 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_yaml(path: str | Path) -> Any:
-    """Parse a YAML file strictly (duplicate keys refused, naming the key and both lines)."""
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` parsed as bounded, strict YAML; errors are ConfigErrors naming ``where``."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid YAML: nested too deeply") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, YAMLBoundError) else f"not valid YAML: {text}"
+
+
+def read_yaml(path: str | Path, *, duplicates_ok: bool = False) -> Any:
+    """Parse a YAML file strictly, its aliases bounded.
+
+    A key given twice is refused, naming the key and both lines (``duplicates_ok``: the last
+    one wins, as in plain YAML).
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
+    loader = _BoundedLoader if duplicates_ok else _StrictLoader
     try:
-        with open(path) as stream:  # a stream, so that marks name the file
-            return yaml.load(stream, Loader=_StrictLoader)
+        with open(path, encoding="utf-8") as stream:  # a stream, so that marks name the file
+            return yaml.load(stream, Loader=loader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(f"{path}: {_yaml_problem(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
 
 
 def duplicate_keys(path: str | Path) -> list[str]:
@@ -279,9 +392,9 @@ def duplicate_keys(path: str | Path) -> list[str]:
     not valid YAML has none (:func:`read_yaml` reports it).
     """
     try:
-        with open(path) as stream:
-            root = yaml.compose(stream, Loader=yaml.SafeLoader)
-    except (OSError, yaml.YAMLError):
+        with open(path, encoding="utf-8") as stream:
+            root = yaml.compose(stream, Loader=_BoundedLoader)
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError):
         return []
     found: list[str] = []
 
@@ -338,10 +451,10 @@ def schema_errors(schema: Mapping[str, Any], data: Any) -> list[tuple[str, str]]
 def _schema_message(error: Any) -> str:
     """A jsonschema error's message, in :func:`from_dict`'s words where they are clearer."""
     if error.validator == "pattern" and error.validator_value == NUMBER_PATTERN:
-        return f"expected a number, got {error.instance!r}"
+        return f"expected a number, got {shown(error.instance)}"
     if error.validator == "anyOf" and error.context:
         options = dict.fromkeys(_schema_message(sub) for sub in error.context)
-        return f"{error.instance!r} fits none of: {'; '.join(options)}"
+        return f"{shown(error.instance)} fits none of: {'; '.join(options)}"
     return error.message
 
 
@@ -380,18 +493,18 @@ def load_data(
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML)."""
-    result = json.loads(json.dumps(data))
+    result = copy.deepcopy(dict(data))  # not a JSON round trip: it would make keys text
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+            raise ConfigError(f"override {shown(item)}: expected KEY.PATH=VALUE")
         node = result
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a mapping")
-        node[leaf] = yaml.safe_load(raw)
+                raise ConfigError(f"override {shown(item)}: {part} is not a mapping")
+        node[leaf] = parse_yaml(raw, f"override {shown(item)}")
     return result
 
 

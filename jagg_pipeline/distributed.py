@@ -1,6 +1,6 @@
 """Parallelism in one place: the process group, the device mesh, FSDP2 sharding, state dicts.
 
-The only module that imports ``torch.distributed.fsdp`` or the device mesh (DESIGN section 2).
+The only module that imports ``torch.distributed.fsdp`` or the device mesh.
 Training always runs under FSDP2 (``fully_shard``), with one code path for every world size:
 
 - under ``torchrun`` the process group is initialised from its environment (gloo on CPU, NCCL

@@ -93,15 +93,20 @@ def plan_evaluation(config: Any) -> RolloutPlan:
 
 
 def evaluate(
-    config: Any, backbone: Backbone, progress: bool = True, clock: StageClock | None = None
+    config: Any,
+    backbone: Backbone,
+    progress: bool = True,
+    clock: StageClock | None = None,
+    plan: RolloutPlan | None = None,
 ) -> Evaluation:
     """Sample the evaluation images with ``backbone`` and score them with every metric.
 
     ``clock``: the evaluate stage's; loading the metrics' reward models counts as its load,
-    sampling and scoring as its work (None: not timed).
+    sampling and scoring as its work (None: not timed). ``plan``: :func:`plan_evaluation`'s,
+    when made already (None: made here).
     """
     clock = clock or StageClock()
-    plan = plan_evaluation(config)
+    plan = plan or plan_evaluation(config)
     batch = sample_batches(backbone, plan, plan.micro_batches, desc="evaluate", progress=progress)
     clock.lap("work")
     # The backbone's device is this rank's (cuda:LOCAL_RANK), not the config's bare "cuda".
@@ -186,15 +191,19 @@ def _metric_values(metrics: dict[str, Any]) -> dict[str, float]:
 def run_evaluate(
     config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
 ) -> dict[str, Any]:
-    """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics."""
+    """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics.
+
+    The prompts are read before any model is loaded: a bad prompt file fails at once.
+    """
     clock = StageClock.start()
     from jagg_pipeline.distributed import local_device
     from jagg_pipeline.policy import load_policy
 
     out = Path(out)
+    plan = plan_evaluation(config)
     backbone = load_policy(config, policy, local_device(config.backbone.device))
     clock.lap("load")
-    evaluation = evaluate(config, backbone, progress, clock)
+    evaluation = evaluate(config, backbone, progress, clock, plan)
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, (f"{IMAGES_DIR}/*.png", METRICS_NAME))
     ev = config.eval

@@ -10,8 +10,11 @@ owns that resolution, how config data is layered (:func:`merge`: sections merge 
 every other value, a mapping of reward weights included, replaces), the run layout
 (``<results>/<target>/<variant>/seed-<s>/``), which rounds are evaluated and which keep their
 checkpoint and rollout (``workflow.keep_every``), and the digests of the config sections each
-stage reads (the rules' params: an edit reruns exactly the jobs it affects). Torch-free: every
-Snakemake job parses the Snakefile, which calls this.
+stage reads (the rules' params: an edit reruns exactly the jobs it affects). It also refuses
+what would run wrong: a name that is no single path component (every name becomes a folder and
+a shell argument), an unusable results folder, seeds or sweep values given twice, a seed set
+where ``seeds`` rules, two variants that are one config; and it checks the files a config names
+(:func:`check_inputs`). Torch-free: every Snakemake job parses the Snakefile, which calls this.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from jagg_pipeline.config import ExperimentConfig
@@ -34,6 +39,9 @@ from jagg_pipeline.configtools import (
     json_schema,
     to_dict,
 )
+from jagg_pipeline.errors import shown
+from jagg_pipeline.prompts import PromptFileError, check_prompts
+from jagg_pipeline.sources import check_pipeline_dir
 
 WORKFLOW_KEY = "workflow"
 # The config sections (or dotted keys) each stage reads: the rules pass their digests as
@@ -55,13 +63,24 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
     "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
 }
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-# Folders the workflow keeps directly under workflow.results, and the workflow's own rules
-# (the Snakefile refuses a target named like any of its rules; a test keeps this list whole):
-# no target may be named so.
-RESERVED_FOLDERS: tuple[str, ...] = ("toyworld", "report", "bench", "logs", "benchmarks")
+# Every name that becomes a folder and a wildcard value (targets, variants, cross entries,
+# sweep labels, policies, prompt sets): one path component that no shell or glob reads
+# specially (checked with fullmatch: `$` would let a trailing newline through).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,119}")
+# Folders the workflow keeps directly under workflow.results (mlartifacts: the default
+# MLflow store's artifacts), and the workflow's own rules (the Snakefile refuses a target
+# named like any of its rules; a test keeps this list whole): no target may be named so.
+RESERVED_FOLDERS: tuple[str, ...] = (
+    "toyworld",
+    "report",
+    "bench",
+    "logs",
+    "benchmarks",
+    "mlartifacts",
+)
 WORKFLOW_RULES: tuple[str, ...] = (
     "toyworld_clip",
+    "toyworld_pretrain",
     "toyworld_backbone",
     "rollout",
     "rollout_transient",
@@ -194,6 +213,34 @@ class WorkflowConfig:
         minimum=1,
     )
 
+    def __post_init__(self) -> None:
+        check_folder(f"{WORKFLOW_KEY}.results", self.results)
+        check_folder(f"{WORKFLOW_KEY}.toyworld.root", self.toyworld.root)
+
+
+def check_folder(key: str, value: str) -> None:
+    """Refuse a folder setting ``key`` that is no usable folder of its own.
+
+    Refused: empty, the filesystem root or the working directory itself, a control character
+    (a line break), a leading ``~`` (nothing expands it). Relative and absolute paths, spaces
+    included, are fine.
+    """
+    problem = None
+    if not value.strip():
+        problem = "is empty"
+    elif any(ord(char) < 32 or ord(char) == 127 for char in value):
+        problem = "holds a control character (a line break?)"
+    elif value.startswith("~"):
+        problem = "starts with '~', which is not expanded here; write the full path"
+    elif os.path.normpath(value) in ("/", "//"):
+        problem = "is the filesystem root"
+    elif os.path.normpath(value) == ".":
+        problem = "is the working directory itself"
+    if problem:
+        raise ValueError(
+            f"{key}: {shown(value)} {problem}; name a folder of its own, e.g. 'results'"
+        )
+
 
 @dataclass(frozen=True)
 class Run:
@@ -295,12 +342,50 @@ def _dotted(key: str, value: Any) -> dict[str, Any]:
     return value
 
 
+def check_name(where: str, name: str) -> None:
+    """Refuse ``name`` (of the setting ``where``) unless it is one usable path component.
+
+    That is a letter or digit, then letters, digits, '_', '-', '.', no '..', at most 120
+    characters: nothing a shell, a glob or a path reads specially.
+    """
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(
+            f"{where}: {shown(name)} is not a usable name (it becomes a folder and a job "
+            "name); use a letter or digit, then letters, digits, '_', '-', '.' (no '..', at "
+            "most 120 characters)"
+        )
+
+
 def _check_labels(where: str, labels: Mapping[str, Any], what: str) -> None:
     if not labels:
         raise ConfigError(f"{where}: name at least one {what}")
     for label in labels:
-        if not _NAME.match(str(label)):
-            raise ConfigError(f"{where}.{label}: use letters, digits, '_', '-', '.'")
+        # A label with a line break in it would break the message's key; the value shows it.
+        check_name(f"{where}.{label}" if label.isprintable() else where, label)
+
+
+def _check_seeds(where: str, seeds: list[int]) -> None:
+    if not seeds:
+        raise ConfigError(f"{where}: name at least one seed")
+    repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where}: seed(s) {', '.join(map(str, repeated))} given twice (the same runs "
+            "twice); list each seed once"
+        )
+
+
+def _refuse_seed(where: str, overrides: Mapping[str, Any], seed_key: str, seeds: str) -> None:
+    """Refuse overrides that set the dotted ``seed_key``: each run's seed is one of ``seeds``."""
+    node: Any = overrides
+    *parents, leaf = seed_key.split(".")
+    for part in parents:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if isinstance(node, Mapping) and leaf in node:
+        raise ConfigError(
+            f"{where}.{seed_key}: the seed of each run comes from {seeds}, so this would be "
+            "ignored; list the seeds there (e.g. seeds: [0, 1, 2]) instead"
+        )
 
 
 def _crossed(
@@ -331,37 +416,72 @@ def _crossed(
 def _variants(name: str, experiment: Experiment) -> dict[str, dict[str, Any]]:
     """Variant name -> its overrides (experiment overrides, variant, cross groups, sweep)."""
     where = f"{WORKFLOW_KEY}.experiments.{name}"
+    seeds = f"{where}.seeds"
     _check_labels(f"{where}.variants", experiment.variants, "variant (e.g. base: {})")
-    if not experiment.seeds:
-        raise ConfigError(f"{where}.seeds: name at least one seed")
+    _check_seeds(seeds, experiment.seeds)
+    _refuse_seed(f"{where}.overrides", experiment.overrides, "train.seed", seeds)
+    for label, overrides in experiment.variants.items():
+        _refuse_seed(f"{where}.variants.{label}", overrides, "train.seed", seeds)
     for group, entries in experiment.cross.items():
         _check_labels(f"{where}.cross.{group}", entries, "entry")
+        for label, overrides in entries.items():
+            _refuse_seed(f"{where}.cross.{group}.{label}", overrides, "train.seed", seeds)
     groups = [experiment.variants, *experiment.cross.values()]
     sweep = experiment.sweep
     if sweep is not None:
-        if not sweep.values:
-            raise ConfigError(f"{where}.sweep.values: an empty sweep runs nothing; give values")
-        leaf = sweep.key.rsplit(".", 1)[-1]
-        groups.append({f"{leaf}-{v}": _dotted(sweep.key, v) for v in sweep.values})
+        groups.append(_sweep_group(f"{where}.sweep", sweep, seeds))
     return {
         name: _merge(experiment.overrides, overrides)
         for name, (_, overrides) in _crossed(where, groups).items()
     }
 
 
+def _sweep_group(where: str, sweep: Sweep, seeds: str) -> dict[str, dict[str, Any]]:
+    """The sweep as a group of labelled overrides: ``<leaf>-<value>`` -> the value at its key."""
+    if sweep.key == "train.seed":
+        raise ConfigError(
+            f"{where}.key: train.seed is swept by {seeds} (each run's seed); list the seeds "
+            "there (e.g. seeds: [0, 1, 2]) and drop the sweep"
+        )
+    if not sweep.values:
+        raise ConfigError(f"{where}.values: an empty sweep runs nothing; give values")
+    leaf = sweep.key.rsplit(".", 1)[-1]
+    group: dict[str, dict[str, Any]] = {}
+    for index, value in enumerate(sweep.values):
+        label = f"{leaf}-{value}"
+        if label in group:
+            raise ConfigError(
+                f"{where}.values[{index}]: {shown(value)} is given twice (the same runs twice); "
+                "list each value once"
+            )
+        if isinstance(value, Mapping | list):
+            raise ConfigError(
+                f"{where}.values[{index}]: {shown(value)} is no name for a variant; sweep over "
+                "single values, or give the settings names with a cross group "
+                "(cross: {GROUP: {LABEL: {section: {key: value}}}})"
+            )
+        check_name(f"{where}.values[{index}]", label)
+        group[label] = _dotted(sweep.key, value)
+    return group
+
+
 def _evaluation_variants(name: str, evaluation: Evaluation) -> dict[str, tuple[str, dict]]:
     """Variant name (``<policy>_<prompts>``) -> (the policy, its overrides)."""
     where = f"{WORKFLOW_KEY}.evaluations.{name}"
+    seeds = f"{where}.seeds"
     _check_labels(f"{where}.policies", evaluation.policies, "policy (e.g. base: {})")
     _check_labels(f"{where}.prompts", evaluation.prompts, "prompt set (e.g. heldout: {})")
-    if not evaluation.seeds:
-        raise ConfigError(f"{where}.seeds: name at least one seed")
+    _check_seeds(seeds, evaluation.seeds)
+    _refuse_seed(f"{where}.overrides", evaluation.overrides, "eval.seed", seeds)
     policies, overrides = {}, {}
     for label, entry in evaluation.policies.items():
         entry = dict(entry)
         policies[label] = str(entry.pop("checkpoint", None) or "base")
         overrides[label] = entry
+        _refuse_seed(f"{where}.policies.{label}", entry, "eval.seed", seeds)
     metrics = {} if evaluation.metrics is None else {"eval": {"metrics": evaluation.metrics}}
+    for label, entry in evaluation.prompts.items():
+        _refuse_seed(f"{where}.prompts.{label}", entry, "seed", seeds)
     prompts = {label: {"eval": entry} for label, entry in evaluation.prompts.items()}
     return {
         name: (policies[labels[0]], _merge(_merge(evaluation.overrides, metrics), layered))
@@ -375,10 +495,12 @@ def check_target_name(kind: str, name: str, taken: Mapping[str, str] = {}) -> No
     ``taken``: name -> what uses it (the workflow's own rules, other targets).
     """
     where = f"{WORKFLOW_KEY}.{kind}.{name}"
-    if not _NAME.fullmatch(name) or not name.isidentifier():
+    if not name.isidentifier():
         raise ConfigError(
-            f"{where}: not a usable target name; use a letter, then letters, digits and '_'"
+            f"{where if name.isprintable() else f'{WORKFLOW_KEY}.{kind}'}: {shown(name)} is not "
+            "a usable target name; use a letter, then letters, digits and '_'"
         )
+    check_name(where, name)
     if name in RESERVED_FOLDERS:
         raise ConfigError(
             f"{where}: {name!r} is the folder of the workflow's own {name} outputs under "
@@ -412,7 +534,7 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
     except ConfigError as err:
         raise ConfigError(f"base sections: {err}") from None
     runs: dict[str, Run] = {}
-    taken: dict[str, str] = {}
+    taken = _toyworld_folder(workflow)
     for name, experiment in workflow.experiments.items():
         check_target_name("experiments", name, taken)
         taken[name] = f"{WORKFLOW_KEY}.experiments.{name}"
@@ -421,6 +543,7 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
             for seed in experiment.seeds:
                 run = _resolve(base, workflow, target, variant, overrides, "train.seed", seed)
                 runs[run.run_id] = run
+        _refuse_twins(target, runs.values())
     for name, evaluation in workflow.evaluations.items():
         check_target_name("evaluations", name, taken)
         taken[name] = f"{WORKFLOW_KEY}.evaluations.{name}"
@@ -431,7 +554,117 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
                     base, workflow, target, variant, overrides, "eval.seed", seed, policy
                 )
                 runs[run.run_id] = run
+        _refuse_twins(target, runs.values())
     return runs
+
+
+def _toyworld_folder(workflow: WorkflowConfig) -> dict[str, str]:
+    """The folder under ``workflow.results`` holding ``workflow.toyworld.root``, if any.
+
+    Returned as name -> the setting: no target may take that name.
+    """
+    inner = os.path.relpath(os.path.normpath(workflow.toyworld.root), workflow.results)
+    first = inner.split(os.sep)[0]
+    if first in (os.curdir, os.pardir):
+        return {}
+    return {first: f"{WORKFLOW_KEY}.toyworld.root ({workflow.toyworld.root})"}
+
+
+def _refuse_twins(target: str, runs: Iterable[Run]) -> None:
+    """Refuse two variants of ``target`` that resolve to the same config and policy.
+
+    They would be the same runs twice: a sweep value given twice (as 1 and 1.0), an entry that
+    changes nothing.
+    """
+    name = target.rsplit(".", 1)[-1]
+    seen: dict[tuple[int, str | None, str], str] = {}
+    for run in runs:
+        if run.experiment != name:
+            continue
+        key = (run.seed, run.policy, digest(run.config))
+        if key in seen and seen[key] != run.variant:
+            raise ConfigError(
+                f"{target}: the variants {seen[key]} and {run.variant} resolve to the same "
+                "config (the same runs twice: a sweep value given twice, as 1 and 1.0, or "
+                "an entry that changes nothing); remove one"
+            )
+        seen[key] = run.variant
+
+
+def toyworld_inputs(config: ExperimentConfig, root: str) -> dict[str, str]:
+    """The toy-world builds (under ``root``, ``workflow.toyworld.root``) a config points at.
+
+    ``toy_backbone`` when ``backbone.path`` is ``<root>/<family>``, ``toy_clip`` when a
+    reward or metric in use is ``toy_clipscore`` with its model at ``<root>/clip``; nothing
+    for real checkpoints.
+    """
+    inputs = {}
+    backbone = Path(config.backbone.path)
+    if backbone.parent == Path(root) and backbone.name == config.backbone.family:
+        inputs["toy_backbone"] = str(backbone)
+    used = {*config.rewards.weights, *config.eval.metrics}
+    if "toy_clipscore" in used and Path(config.rewards.toy_clipscore.model) == Path(root, "clip"):
+        inputs["toy_clip"] = f"{root}/clip"
+    return inputs
+
+
+def check_inputs(runs: Iterable[Run], toyworld_root: str) -> list[str]:
+    """What is wrong with the files the runs' configs name, one line per problem.
+
+    Each prompt file (``sampler.prompts`` of a training run, ``eval.prompts``) is read whole
+    as its stage will read it, and each ``backbone.path`` that no toy-world rule builds is
+    checked to be a checkpoint of its family (:func:`~jagg_pipeline.sources.check_pipeline_dir`),
+    without loading a model: the workflow refuses them while it is parsed, not minutes into a
+    job. Each line names the key, the file and the runs that use it; each file is read once.
+    """
+    problems: dict[tuple[str, ...], str | None] = {}
+    users: dict[str, list[str]] = {}
+    for run in runs:
+        config = run.config
+        inputs = [("eval.prompts", "eval.column", config.eval.prompts, config.eval.column)]
+        if run.policy is None:
+            sampler = config.sampler
+            inputs.append(
+                ("sampler.prompts", "sampler.prompt_column", sampler.prompts, sampler.prompt_column)
+            )
+        if "toy_backbone" not in toyworld_inputs(config, toyworld_root):
+            spec = config.backbone
+            inputs.append(("backbone.path", spec.family, spec.path, spec.revision))
+        for what in inputs:
+            if what not in problems:
+                problems[what] = _input_problem(*what, toyworld_root)
+            if problems[what] is not None:
+                users.setdefault(problems[what], []).append(run.run_id)
+    return [
+        f"{problem} (run{'s' if len(ids) > 1 else ''} {', '.join(ids[:3])}"
+        f"{f' and {len(ids) - 3} more' if len(ids) > 3 else ''})"
+        for problem, ids in users.items()
+    ]
+
+
+def _input_problem(key: str, other: str, value: str, extra: str | None, root: str) -> str | None:
+    """The problem with one input :func:`check_inputs` checks (None: it is fine).
+
+    A prompt source: ``key``, its column's key ``other``, the source ``value``, the column
+    ``extra``. A backbone: ``backbone.path``, the family ``other``, the path ``value``, the
+    revision ``extra``.
+    """
+    if key == "backbone.path":
+        try:
+            check_pipeline_dir(key, value, other, extra)
+        except ConfigError as err:
+            if other not in Path(value).parts[-1:]:
+                return str(err)
+            return (
+                f"{err} (the workflow builds the toy {other} backbone at {root}/{other}, "
+                "from workflow.toyworld.root)"
+            )
+        return None
+    try:
+        check_prompts(value, extra)
+    except PromptFileError as err:
+        return f"{key}: {err}; fix {key} or {other}"
+    return None
 
 
 def evaluated_rounds(config: ExperimentConfig) -> list[int]:

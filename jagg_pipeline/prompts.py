@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jagg_pipeline.tables import TABLE_SUFFIXES, TableError, read_table
+from jagg_pipeline.errors import shown
+from jagg_pipeline.tables import TABLE_SUFFIXES, TableError, read_table, read_text
 
 DEFAULT_COLUMN = "prompt"
 PROMPT_SUFFIXES = (".txt", *TABLE_SUFFIXES)
@@ -59,9 +60,7 @@ def load_prompts(path: str | os.PathLike[str], column: str | None = None) -> lis
     if suffix == ".txt":
         if column is not None:
             raise PromptFileError(f"{path}: a .txt file has no columns (got column {column!r})")
-        if not path.is_file():
-            raise PromptFileError(f"{path}: no such file")
-        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        prompts = [line.strip() for line in read_text(path).splitlines()]
         prompts = [p for p in prompts if p]
     elif suffix in TABLE_SUFFIXES:
         rows = read_table(path)
@@ -73,7 +72,11 @@ def load_prompts(path: str | os.PathLike[str], column: str | None = None) -> lis
         raise PromptFileError(f"{path}: unsupported prompt file; use one of {PROMPT_SUFFIXES}")
     for number, prompt in enumerate(prompts, 1):
         if not isinstance(prompt, str) or not prompt.strip():
-            raise PromptFileError(f"{path}: prompt {number} is not a non-empty string: {prompt!r}")
+            raise PromptFileError(
+                f"{path}: prompt {number} is not a non-empty string: {shown(prompt)}"
+            )
+        if "\x00" in prompt:
+            raise PromptFileError(f"{path}: prompt {number} holds a NUL byte: {shown(prompt)}")
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
     return prompts
@@ -87,16 +90,37 @@ def resolve_prompts(source: str | os.PathLike[str], column: str | None = None) -
     """
     text = os.fspath(source)
     if text.startswith("toy:"):
-        if text not in TOY_SOURCES:
-            raise PromptFileError(
-                f"{text!r}: unknown toy prompt set; use one of {', '.join(TOY_SOURCES)}"
-            )
-        if column is not None:
-            raise PromptFileError(f"{text!r}: the toy prompt sets have no columns ({column!r})")
+        index = _toy_split(text, column)
         from jagg_pipeline.toyworld.data import split
 
-        return [attributes.caption() for attributes in split()[TOY_SOURCES[text]]]
+        return [attributes.caption() for attributes in split()[index]]
     return load_prompts(text, column)
+
+
+def check_prompts(source: str | os.PathLike[str], column: str | None = None) -> None:
+    """Raise PromptFileError where :func:`resolve_prompts` would, without torch.
+
+    A toy set's name and column are checked (its captions are not drawn), a prompt file is
+    read whole: the workflow checks every prompt file a config names while it is parsed.
+    """
+    text = os.fspath(source)
+    if text.startswith("toy:"):
+        _toy_split(text, column)
+    else:
+        load_prompts(text, column)
+
+
+def _toy_split(source: str, column: str | None) -> int:
+    """The index of toy prompt set ``source`` in the toy world's split."""
+    if source not in TOY_SOURCES:
+        raise PromptFileError(
+            f"{shown(source)}: unknown toy prompt set; use one of {', '.join(TOY_SOURCES)}"
+        )
+    if column is not None:
+        raise PromptFileError(
+            f"{shown(source)}: the toy prompt sets have no columns ({shown(column)})"
+        )
+    return TOY_SOURCES[source]
 
 
 def draw_prompts(pool: Sequence[str], count: int, seed: int) -> list[str]:

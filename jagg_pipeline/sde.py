@@ -1,6 +1,6 @@
 """Flow-matching sampling maths: sigma schedules, the SDE/ODE/CPS step, its log-prob, noise masks.
 
-Conventions (DESIGN section 3): sigma in [0, 1] with sigma = 1 pure noise,
+Conventions: sigma in [0, 1] with sigma = 1 pure noise,
 x_sigma = (1 - sigma) x0 + sigma eps, the model predicts v = eps - x0, and a step goes from
 sigma to sigma_next < sigma (dt = sigma_next - sigma < 0).
 
@@ -139,7 +139,7 @@ def sigma_batch(sigmas: torch.Tensor, index: int, batch: int, dtype: torch.dtype
     """The [B] sigma fed to the velocity at step ``index``: sampling and training share it.
 
     Kept in the step's compute dtype (float32 for bf16 latents): each backbone rounds its
-    timestep the way its own pipeline does (DESIGN 8.8), which a bf16 sigma would pre-empt.
+    timestep the way its own pipeline does, which a bf16 sigma would pre-empt.
     """
     return sigmas[index].expand(batch).to(compute_dtype(dtype))
 
@@ -182,7 +182,7 @@ def step(
         mean = (1.0 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0)) * eps_hat
     elif coeffs.kind == "ode":
         # The schedulers' Euler update: dt * v in the velocity's dtype, added in float32, so
-        # that ODE sampling in bf16 stays on the pipelines' numbers (DESIGN 8.8).
+        # that ODE sampling in bf16 stays on the pipelines' numbers.
         mean = xf + (dt.to(v.dtype) * v).to(cdt)
         std = torch.zeros_like(s)
     else:

@@ -6,10 +6,13 @@ A value that exists on disk is used as is. A value shaped like a hub id (``owner
 Anything else is a missing local path. Every failure raises the caller's error type (a
 :class:`~jagg_pipeline.configtools.ConfigError`) naming the config key to set, with the
 underlying error chained for the details. Backbones and rewards both resolve through here.
+A pipeline folder's ``model_index.json`` is checked against the backbone family here too,
+without torch, so the workflow refuses a bad ``backbone.path`` while it is parsed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from jagg_pipeline.configtools import ConfigError
+from jagg_pipeline.errors import shown
 
 T = TypeVar("T")
 
@@ -25,6 +29,13 @@ T = TypeVar("T")
 _REPO = r"[A-Za-z0-9_][\w.-]*/[\w.-]+"
 HUB_REPO = re.compile(rf"^{_REPO}$")
 HUB_FILE = re.compile(rf"^(?P<repo>{_REPO})/(?P<file>[\w.-]+(/[\w.-]+)*)$")
+# The diffusers pipeline class (model_index.json "_class_name") of each backbone family.
+PIPELINE_CLASSES: dict[str, str] = {
+    "flux": "FluxPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "qwenimage": "QwenImagePipeline",
+}
+MODEL_INDEX = "model_index.json"
 
 
 def hub_offline() -> bool:
@@ -47,7 +58,7 @@ def _local_or_hub(
             raise error(f"{key}: {value} is {kind}; set it to {wanted}")
         return path
     pattern = HUB_REPO if want_dir else HUB_FILE
-    if pattern.match(value):
+    if pattern.fullmatch(value):
         return value
     shape = "'owner/name'" if want_dir else "'owner/name/file'"
     local = "directory" if want_dir else "file"
@@ -111,10 +122,67 @@ def resolve_file(key: str, value: str, wanted: str, error: type[Exception] = Con
         return source
     from huggingface_hub import hf_hub_download
 
-    match = HUB_FILE.match(source)
+    match = HUB_FILE.fullmatch(source)
     try:
         return Path(hf_hub_download(match["repo"], match["file"], local_files_only=hub_offline()))
     # hub errors (offline, missing entry, HTTP) are OSErrors, a malformed id a ValueError
     except (OSError, ValueError) as err:
         cause = f"hub file, not in the local cache: {type(err).__name__}"
         raise _missing(error, key, value, wanted, cause) from err
+
+
+def read_model_index(
+    directory: Path, key: str, value: str, family: str, error: type[Exception] = ConfigError
+) -> dict:
+    """``model_index.json`` of checkpoint ``directory``, checked against ``family``.
+
+    It must name the family's pipeline class and every component folder it lists must be
+    there; errors name the config ``key`` and its ``value``.
+    """
+    index_file = directory / MODEL_INDEX
+    if not index_file.is_file():
+        raise error(
+            f"{key}={shown(value)}: {index_file} not found; point {key} at a diffusers-format "
+            "pipeline directory (with model_index.json, transformer/, vae/, scheduler/, ...)"
+        )
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise error(f"{key}={shown(value)}: {index_file} is not readable JSON ({err})") from None
+    found = index.get("_class_name") if isinstance(index, dict) else None
+    expected = PIPELINE_CLASSES[family]
+    if found != expected:
+        section = key.rsplit(".", 1)[0]
+        raise error(
+            f"{key}={shown(value)} holds a {shown(found)} checkpoint, but "
+            f"{section}.family={family!r} expects {expected}; fix {section}.family or {key}"
+        )
+    for name, entry in index.items():
+        if isinstance(entry, list) and entry[0] is not None and not (directory / name).is_dir():
+            raise error(
+                f"{key}={shown(value)}: model_index.json lists {name!r} but {directory / name} "
+                "is missing (incomplete download?)"
+            )
+    return index
+
+
+def check_pipeline_dir(key: str, value: str, family: str, revision: str | None = None) -> None:
+    """Refuse a checkpoint setting that a stage would refuse, without loading anything.
+
+    A local directory must be a ``family`` pipeline (:func:`read_model_index`); a hub id is
+    looked up in the local cache when ``HF_HUB_OFFLINE`` is set (else the stage downloads
+    it); anything else is a missing directory. Raises ConfigError naming ``key``.
+    """
+    wanted = "a local diffusers-format directory (the one holding model_index.json) or a hub id"
+    source = _local_or_hub(key, value, wanted, True, ConfigError)
+    if isinstance(source, Path):
+        read_model_index(source, key, value, family)
+    elif hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, MODEL_INDEX, revision=revision)
+        if not isinstance(cached, str):
+            raise _missing(
+                ConfigError, key, value, wanted, "hub id, not in the local cache (HF_HUB_OFFLINE)"
+            )
+        read_model_index(Path(cached).parent, key, value, family)

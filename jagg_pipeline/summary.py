@@ -10,12 +10,15 @@ the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: ev
 its values alone; below it, per stage, the median seconds of a job's start-up, loading and
 work, :mod:`jagg_pipeline.startup`) and ``curves.png`` (evaluation metrics and training
 reward vs round, seed bands; integer round ticks) and ``grids/`` (the evaluation grids of the
-base policy and the final checkpoint of every run). Torch-free.
+base policy and the final checkpoint of every run). A run is read whole or not at all: a round
+or an evaluation its config calls for but its folder lacks is an error naming what is missing
+(:func:`read_run`), never a curve with a point quietly gone. Torch-free.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 from collections.abc import Mapping, Sequence
@@ -30,14 +33,18 @@ from jagg_pipeline.artifacts import (
     ROUND_STAGES,
     atomic_output,
     atomic_write_text,
+    make_folder,
     round_record,
 )
 from jagg_pipeline.configtools import digest
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.startup import PARTS
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
 # The stages that run as jobs, in pipeline order: the rows of the start-up table.
 JOB_STAGES = ("rollout", "score", "train", "evaluate")
+ROUND_FOLDER = re.compile(r"round-(\d{4})")
+EVAL_FOLDER = re.compile(r"trained-(\d{4})")
 
 
 @dataclass
@@ -61,7 +68,55 @@ class RunMetrics:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise InputError(
+                f"{path}:{number}: not a JSON metrics line ({err.msg}); the file is damaged: "
+                "delete it and rerun the workflow target, which rebuilds it"
+            ) from None
+    return lines
+
+
+def _indices(folder: Path, pattern: re.Pattern[str]) -> list[int]:
+    """The numbers of the sub-folders of ``folder`` whose names match ``pattern``."""
+    if not folder.is_dir():
+        return []
+    found = (pattern.fullmatch(p.name) for p in folder.iterdir() if p.is_dir())
+    return sorted(int(match.group(1)) for match in found if match)
+
+
+def _expected(directory: Path, config: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """The rounds and evaluations (rounds trained) the run in ``directory`` must hold.
+
+    A training run (round folders, or an evaluation after training) holds every round of its
+    config's ``train.rounds`` and every evaluation that ``eval.every`` calls for, whatever is
+    on disk. An evaluation run (no rounds) and a folder without a config.yaml (the in-process
+    loop's, whose last round may be scored and not trained) hold the ones found.
+    """
+    rounds = _indices(directory, ROUND_FOLDER)
+    evaluations = _indices(directory / "eval", EVAL_FOLDER)
+    if not config or not (rounds or any(n > 0 for n in evaluations)):
+        return rounds, evaluations
+    # Imported here: the config dataclasses are needed only for a training run's shape.
+    from jagg_pipeline.config import ExperimentConfig
+    from jagg_pipeline.configtools import from_dict
+    from jagg_pipeline.experiments import evaluated_rounds
+
+    resolved = from_dict(ExperimentConfig, config, source=str(directory / "config.yaml"))
+    return list(range(resolved.train.rounds)), evaluated_rounds(resolved)
+
+
+def _missing(path: Path, what: str, directory: Path) -> InputError:
+    return InputError(
+        f"{path}: missing ({what} of the run in {directory}, which its config.yaml calls "
+        "for); rerun the workflow target (snakemake TARGET), which rebuilds it, rather than "
+        "summarise the run without it"
+    )
 
 
 def setting_digest(config: Mapping[str, Any]) -> str:
@@ -80,23 +135,40 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     (:func:`~jagg_pipeline.artifacts.round_record`, stages rollout, score, train): the
     workflow and :mod:`jagg_pipeline.loop` copy each stage folder's metrics.jsonl there, and
     the stage folders themselves may be gone (``workflow.keep_every``).
+
+    A training run is read whole (:func:`_expected`): a round folder, a round's record or an
+    evaluation that its config calls for and the folder lacks raises
+    :class:`~jagg_pipeline.errors.InputError` naming it; rounds or evaluations beyond the
+    config (left by an earlier, longer run in the same folder) are not read.
     """
     directory = Path(directory)
     run = RunMetrics(variant, seed)
+    config: dict[str, Any] = {}
     if (directory / "config.yaml").is_file():
         config = yaml.safe_load((directory / "config.yaml").read_text()) or {}
         run.mode = str((config.get("jagg") or {}).get("mode", ""))
         run.setting = setting_digest(config)
-    for round_dir in sorted(directory.glob("round-*")):
+    rounds, evaluations = _expected(directory, config)
+    whole = bool(config)  # without a config, nothing says what the folder should hold
+    for round_index in rounds:
+        round_dir = directory / f"round-{round_index:04d}"
+        if not round_dir.is_dir():
+            raise _missing(round_dir, f"round {round_index}", directory)
         for stage in ROUND_STAGES:
             path = round_record(round_dir, stage)
             if path.is_file():
                 run.lines.extend(_jsonl(path))
-    for eval_dir in sorted(directory.glob("eval/trained-*")):
+            elif whole:
+                raise _missing(path, f"the {stage} metrics of round {round_index}", directory)
+    for trained in evaluations:
+        eval_dir = directory / f"eval/trained-{trained:04d}"
+        if not (eval_dir / "metrics.json").is_file():
+            if whole:
+                raise _missing(eval_dir, f"the evaluation after {trained} rounds", directory)
+            continue
         if (eval_dir / METRICS_NAME).is_file():  # older evaluations wrote metrics.json only
             run.lines.extend(_jsonl(eval_dir / METRICS_NAME))
         report = json.loads((eval_dir / "metrics.json").read_text())
-        trained = int(eval_dir.name.removeprefix("trained-"))
         run.evaluations[trained] = {name: v["mean"] for name, v in report["metrics"].items()}
         run.grids[trained] = eval_dir / "grid.png"
     return run
@@ -323,21 +395,20 @@ def write_summary(
     runs: Mapping[str, tuple[str | Path, str, int]], out: str | Path, title: str = ""
 ) -> dict[str, Any]:
     """Summarise ``runs`` (run id -> (directory, variant, seed)) into the folder ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    read = {run_id: read_run(*spec) for run_id, spec in runs.items()}
+    read = {run_id: read_run(*spec) for run_id, spec in runs.items()}  # refused: nothing written
+    out = make_folder(out)
     tagged = [
         {"run": run_id, "variant": run.variant, "seed": run.seed, **line}
         for run_id, run in read.items()
         for line in run.lines
     ]
     atomic_write_text(out / METRICS_NAME, "".join(json.dumps(line) + "\n" for line in tagged))
-    grids = out / "grids"
-    grids.mkdir(exist_ok=True)
+    grids = make_folder(out / "grids")
     for run in read.values():
         for trained in sorted(run.grids)[:1] + sorted(run.grids)[-1:]:
             name = f"{run.variant}_seed-{run.seed}_trained-{trained:04d}.png"
-            shutil.copyfile(run.grids[trained], grids / name)
+            with atomic_output(grids / name) as tmp:
+                shutil.copyfile(run.grids[trained], tmp)
     summary = summarise(list(read.values()))
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     markdown = table(summary) + stage_table(stage_seconds(list(read.values())))

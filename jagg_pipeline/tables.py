@@ -24,6 +24,25 @@ class TableError(InputError):
     """A table file is missing, malformed or lacks the requested column."""
 
 
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of file ``path``.
+
+    A missing or unreadable file, or bytes that are not UTF-8, are one TableError naming it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TableError(f"{path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start : err.start + 1]
+        raise TableError(
+            f"{path}: not UTF-8 text (byte {err.start} is {bad!r}); save the file as UTF-8"
+        ) from None
+    except OSError as err:
+        raise TableError(f"{path}: cannot read it ({err.strerror or err})") from None
+
+
 def read_table(path: str | os.PathLike[str]) -> list[Any]:
     """Rows of a json/jsonl/csv/parquet file: dicts (or bare strings, for json/jsonl lists)."""
     path = Path(path)
@@ -32,7 +51,7 @@ def read_table(path: str | os.PathLike[str]) -> list[Any]:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(read_text(path))
         except json.JSONDecodeError as err:
             raise TableError(f"{path}: not valid JSON ({err})") from None
         if not isinstance(rows, list):
@@ -40,7 +59,7 @@ def read_table(path: str | os.PathLike[str]) -> list[Any]:
         return rows
     if suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_text(path).splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -48,15 +67,20 @@ def read_table(path: str | os.PathLike[str]) -> list[Any]:
                     raise TableError(f"{path}:{number}: not valid JSON ({err})") from None
         return rows
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as handle:
-            return list(csv.DictReader(handle))
+        try:
+            return list(csv.DictReader(io.StringIO(read_text(path), newline="")))
+        except csv.Error as err:
+            raise TableError(f"{path}: not valid CSV ({err})") from None
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise TableError(f"{path}: reading parquet needs pyarrow installed") from None
         # One file: ParquetFile reads it without pyarrow.dataset, which imports pandas (0.3 s).
-        return pq.ParquetFile(path).read().to_pylist()
+        try:
+            return pq.ParquetFile(path).read().to_pylist()
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise TableError(f"{path}: not a readable parquet file ({err})") from None
     raise TableError(f"{path}: unsupported table format; use one of {TABLE_SUFFIXES}")
 
 

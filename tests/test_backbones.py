@@ -116,7 +116,7 @@ def test_ode_sampler_reproduces_the_official_pipeline(checkpoints, family, cfg):
 @pytest.mark.parametrize("cfg", [1.0, 2.0])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_bf16_ode_sampler_reproduces_the_official_pipeline(checkpoints, family, cfg):
-    """In bf16 every rounding the pipeline makes matters (DESIGN 8.8): timestep, Euler update."""
+    """In bf16 every rounding the pipeline makes matters: timestep, Euler update."""
     _, path = checkpoints[family]
     pipeline = type(checkpoints[family][0]).from_pretrained(path, torch_dtype=torch.bfloat16)
     pipeline.set_progress_bar_config(disable=True)

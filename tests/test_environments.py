@@ -2,7 +2,7 @@
 container of one family that exist, the pins agree with constraints.txt, the Dockerfiles pass
 hadolint, and the summary family really runs without torch.
 
-Conda and Apptainer cannot be installed on the CI machines (DESIGN 8.5), so what can be checked
+Conda and Apptainer cannot be installed on the CI machines, so what can be checked
 without building them is checked here.
 """
 

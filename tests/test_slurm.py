@@ -6,7 +6,7 @@ up (.ci/run does). Without a cluster these tests skip, unless CI=true: then they
 - a job that fails under SLURM is reported failed and snakemake exits non-zero, in bounded time;
 - `scancel` of a running training job, then a rerun: the checkpoint of an uninterrupted run.
 
-Snakemake runs under `timeout -s KILL` (DESIGN 8.4: a status query that never answers would
+Snakemake runs under `timeout -s KILL` (a status query that never answers would
 hang it, deaf to SIGTERM); the jobs a test leaves behind are cancelled when the module ends.
 """
 

@@ -5,7 +5,13 @@
   every metric point, artifacts) under one parent; a second `track` duplicates nothing;
 - `compare` reads the runs back from MLflow into the same table as the files give, and its
   HTML's images load in headless Chromium (a screenshot is kept for the closing note);
-- with `tracking.backend: none` the workflow ran (in reduced_all) with mlflow unimportable.
+- with `tracking.backend: none` the workflow ran (in reduced_all) with mlflow unimportable;
+- faults, on synthetic runs (workflow_helpers.synthetic_run) against the same loopback
+  server or a local store: an unreachable server fails `track` in < 30 s with one line naming
+  it; a damaged or empty SQLite store fails `track` and `compare` naming the file (and is not
+  started anew); a store that lost runs pushed to it is reported; a run whose files changed
+  replaces its MLflow run, so that the comparison and the summary agree; in the workflow, a
+  failed push is retried by the next run of `report`, and its comparison with it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow_helpers import REDUCED
+from workflow_helpers import REDUCED, snakemake, synthetic_run, write_config
 
 from jagg_pipeline.summary import read_run
 from jagg_pipeline.tracking import PARENT_TAG, flat_params, metric_points, run_key
@@ -103,12 +109,13 @@ def run_args(runs: dict[str, Path], variants=VARIANTS) -> list[str]:
     return [arg for v in variants for arg in ("--run", v, "0", str(runs[v]))]
 
 
-def read_back(uri: str) -> dict:
-    """Every run of the test experiment: name -> (info, params, tags, points, artifacts)."""
+def read_back(uri: str, name: str = "jagg-test") -> dict:
+    """Every active run of experiment ``name``: run name -> (info, params, tags, points,
+    artifacts)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("jagg-test")
+    experiment = client.get_experiment_by_name(name)
     found = {}
     for run in client.search_runs([experiment.experiment_id], max_results=100):
         points = sorted(
@@ -268,3 +275,135 @@ def test_heatmaps_show_each_run_for_its_own_approximation(reduced_all):
     points = [("train/probe.0.no_interp.cos_sim", 0.5, 0), ("train/probe.0.jagg.cos_sim", 0.9, 0)]
     tracked = TrackedRun("drop", 0, {"jagg_mode": "no_interp"}, points)
     assert cos_sims([run_metrics(tracked)]) == {"drop: cos-sim of no_interp": {(0, 0): 0.5}}
+
+
+def synthetic_runs(root: Path, uri: str, experiment: str) -> dict[str, Path]:
+    """Two synthetic runs (exact, jagg) tracked at ``uri`` in ``experiment``."""
+    tracking = {"backend": "mlflow", "uri": uri, "experiment": experiment}
+    return {v: synthetic_run(root / v / "seed-0", v, tracking=tracking) for v in VARIANTS}
+
+
+def failed_in_one_line(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 1, (out + err)[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("server", ["down", "silent"])
+def test_an_unreachable_server_fails_track_within_30_s_in_one_line(server, tmp_path):
+    """Down: nothing listens (connection refused). Silent: the port accepts connections and
+    never answers (a hung server or a dropped route): MLflow's timeouts, the worst case."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        if server == "silent":
+            silent.listen(16)  # the kernel completes handshakes; nobody reads
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        runs = synthetic_runs(tmp_path, uri, "jagg-down")
+        start = time.monotonic()
+        line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+        seconds = time.monotonic() - start
+    assert seconds < 30, seconds
+    assert f"MLflow tracking server {uri} cannot be used" in line, line
+    print(f"track with the server {server}: failed in {seconds:.1f} s: {line}")
+
+
+def test_a_damaged_or_empty_store_fails_naming_the_file(tmp_path):
+    database = tmp_path / "results/mlflow.db"
+    runs = synthetic_runs(tmp_path, f"sqlite:///{database}", "jagg-local")
+    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    intact = database.read_bytes()
+    database.write_bytes(intact[: len(intact) // 2])  # truncated
+    start = time.monotonic()
+    line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    assert time.monotonic() - start < 30
+    assert f"{database}: the SQLite MLflow store" in line and "malformed" in line, line
+    out = tmp_path / "report"
+    compare = cli(tmp_path, "compare", "--target", "all", *run_args(runs), "--out", str(out))
+    assert f"{database}: the SQLite MLflow store" in failed_in_one_line(compare)
+    assert not out.exists()
+    database.write_bytes(b"")  # emptied: not silently made a new store
+    line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    assert f"{database}: empty (0 bytes), not an MLflow store" in line, line
+    assert database.stat().st_size == 0
+
+
+@pytest.mark.parametrize("store", ["server", "local"])
+def test_a_store_that_lost_pushed_runs_is_reported_not_started_anew(store, tmp_path, request):
+    from mlflow.tracking import MlflowClient
+
+    database = tmp_path / "results/mlflow.db"
+    uri = request.getfixturevalue("mlflow_server") if store == "server" else f"sqlite:///{database}"
+    runs = synthetic_runs(tmp_path, uri, f"jagg-lost-{store}")
+    out = tmp_path / "tracking/tracked.json"
+    push = ("track", "--target", "all", *run_args(runs), "--out", str(out))
+    finish(cli(tmp_path, *push))
+    ledger = out.with_name("pushed.json")
+    assert set(json.loads(ledger.read_text())[uri][f"jagg-lost-{store}"]) == set(
+        json.loads(out.read_text())
+    )
+    if store == "server":  # the runs deleted behind the pipeline's back
+        client = MlflowClient(tracking_uri=uri)
+        for run_id in json.loads(out.read_text()).values():
+            client.delete_run(run_id)
+    else:  # the store deleted
+        database.unlink()
+    line = failed_in_one_line(cli(tmp_path, *push))
+    assert "2 run(s) pushed there before are gone" in line and str(ledger) in line, line
+    assert store == "server" or not database.exists()  # no new store
+    ledger.unlink()  # the user's way to start over
+    finish(cli(tmp_path, *push))
+    assert set(read_back(uri, f"jagg-lost-{store}")) == {"all", "exact/seed-0", "jagg/seed-0"}
+
+
+def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_path):
+    runs = synthetic_runs(tmp_path, mlflow_server, "jagg-rerun")
+    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    first = read_back(mlflow_server, "jagg-rerun")
+    # A rerun of jagg's training: other timings, so another update-stage figure.
+    record = runs["jagg"] / "round-0001/metrics/train.jsonl"
+    line = json.loads(record.read_text())
+    line["time.forward"] += 0.5
+    record.write_text(json.dumps(line) + "\n")
+    again = cli(tmp_path, "track", "--target", "all", *run_args(runs))
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert "jagg/seed-0: its files changed since MLflow run" in err, err
+    second = read_back(mlflow_server, "jagg-rerun")
+    assert second["exact/seed-0"][0].run_id == first["exact/seed-0"][0].run_id
+    assert second["jagg/seed-0"][0].run_id != first["jagg/seed-0"][0].run_id
+    assert second["jagg/seed-0"][2]["jagg_replaces"] == first["jagg/seed-0"][0].run_id
+    for variant in VARIANTS:
+        expected = metric_points(read_run(runs[variant], variant, 0))
+        assert second[f"{variant}/seed-0"][3] == sorted(expected), variant
+    # The page read back from MLflow and the summary read from the files agree.
+    finish(cli(tmp_path, "compare", "--target", "all", *run_args(runs), "--out", "report"))
+    summary = ["summarize", "--title", "all", *run_args(runs), "--out", "summary"]
+    finish(cli(tmp_path, *summary))
+    page, files = (tmp_path / "report/table.md"), (tmp_path / "summary/table.md")
+    assert page.read_text() == files.read_text()
+    assert "| 1.85 (1.25 + 0.50 + 0.10) |" in page.read_text()  # the rerun's timings
+
+
+def test_a_failed_push_is_retried_by_the_next_run(mlflow_server, reduced_all, tmp_path):
+    """`report` with the server unreachable fails at `track` (one line in its log) and keeps
+    nothing that passes for up to date: the next run pushes and compares again."""
+    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
+    config = json.loads(json.dumps(REDUCED))
+    config["tracking"] = {"backend": "mlflow", "uri": mlflow_server, "experiment": "jagg-wf"}
+    write_config(tmp_path, config)
+    down = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # not in the digests
+    failed = snakemake(tmp_path, "--cores", "2", "report", env=down, timeout=600)
+    assert failed.returncode != 0
+    log = (tmp_path / "results/logs/all/track.log").read_text().strip().splitlines()
+    assert len(log) == 1 and down["MLFLOW_TRACKING_URI"] in log[0], log
+    assert not (tmp_path / "results/all/tracking/tracked.json").exists()
+    plan = snakemake(tmp_path, "--cores", "2", "report", "--dry-run", "--quiet", "rules")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert {"track", "compare"} <= set(plan.stdout.split()), plan.stdout
+    done = snakemake(tmp_path, "--cores", "2", "report", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "results/report/all/index.html").read_text()
+    assert f"Runs read from MLflow ({mlflow_server}" in page
+    assert set(read_back(mlflow_server, "jagg-wf")) == {"all", "exact/seed-0", "jagg/seed-0"}

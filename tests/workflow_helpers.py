@@ -96,3 +96,44 @@ def comparable_outputs(workdir: Path) -> dict[str, Any]:
         else:
             outputs[relative] = path.read_bytes()
     return outputs
+
+
+def synthetic_run(
+    folder: Path, mode: str, rounds: int = 2, tracking: dict | None = None, shift: float = 0.0
+) -> Path:
+    """A finished training run's kept files, written directly (no model, no job): the
+    resolved config.yaml (``rounds`` rounds, evaluated every 2 and at the end), each round's
+    rollout, score and train records, each evaluation's metrics and grid; values move with
+    the round and ``shift``. For the tests of what reads runs back (summary, track, compare).
+    """
+    from jagg_pipeline.config import ExperimentConfig
+    from jagg_pipeline.configtools import from_dict, to_dict
+    from jagg_pipeline.experiments import evaluated_rounds
+
+    config = to_dict(ExperimentConfig())
+    config["train"]["rounds"], config["eval"]["every"] = rounds, 2
+    config["jagg"]["mode"] = mode
+    if tracking is not None:
+        config["tracking"] = tracking
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def lines(path: Path, *records: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    for r in range(rounds):
+        records = folder / f"round-{r:04d}/metrics"
+        head = {"round": r, "step": 0}
+        lines(records / "rollout.jsonl", {"stage": "rollout", **head, "reward.mean": 0.3 + r})
+        lines(records / "score.jsonl", {"stage": "score", **head, "total_mean": 0.3 + r + shift})
+        times = {"time.forward": 1.0 + shift, "time.backward": 0.5, "time.optimizer": 0.1}
+        lines(records / "train.jsonl", {"stage": "train", **head, "loss": 0.1 * r, **times})
+    for n in evaluated_rounds(from_dict(ExperimentConfig, config)):
+        evaluation = folder / f"eval/trained-{n:04d}"
+        value = 0.4 + 0.01 * n + shift
+        line = {"stage": "evaluate", "round": n, "step": 0, "toy": value}
+        lines(evaluation / "metrics.jsonl", line)
+        (evaluation / "metrics.json").write_text(json.dumps({"metrics": {"toy": {"mean": value}}}))
+        (evaluation / "grid.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return folder

@@ -2,7 +2,7 @@
 
 ``affine``: v is affine in (z, sigma) while the parameters enter nonlinearly, so the
 parameter-Jacobian J = dv/dtheta is affine in (z, sigma): JAGG is exact on chord points
-(DESIGN section 4, condition A1). ``mlp-dit``: a tiny DiT-shaped network (patch tokens,
+(JAGG's exactness condition). ``mlp-dit``: a tiny DiT-shaped network (patch tokens,
 adaLN modulation by time and condition, token- and channel-mixing MLPs) that is nonlinear
 everywhere, so JAGG is only approximate.
 """

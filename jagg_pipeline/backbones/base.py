@@ -22,7 +22,6 @@ elementwise, so the layout is invisible to the core; ``decode`` unpacks.
 from __future__ import annotations
 
 import importlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,10 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from jagg_pipeline import sources
 from jagg_pipeline.backbones import lora
 from jagg_pipeline.config import BackboneDtype, BackboneSpec, TrainingMode
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.sources import snapshot_dir
+from jagg_pipeline.startup import importing
 
 NEGATIVE = "negative_"
 DTYPES: dict[str, torch.dtype] = {
@@ -96,29 +97,11 @@ def resolve_checkpoint(spec: BackboneSpec) -> Path:
     )
 
 
-def read_model_index(directory: Path, spec: BackboneSpec, pipeline_class: str) -> dict[str, Any]:
-    """``model_index.json`` of a checkpoint, checked to be a ``pipeline_class`` checkpoint."""
-    index_file = directory / "model_index.json"
-    key = f"{spec.key}.path"
-    if not index_file.is_file():
-        raise BackboneLoadError(
-            f"{key}={spec.path!r}: {index_file} not found; point {key} at a diffusers-format "
-            "pipeline directory (with model_index.json, transformer/, vae/, scheduler/, ...)"
-        )
-    index = json.loads(index_file.read_text())
-    found = index.get("_class_name")
-    if found != pipeline_class:
-        raise BackboneLoadError(
-            f"{key}={spec.path!r} holds a {found} checkpoint, but {spec.key}.family="
-            f"{spec.family!r} expects {pipeline_class}; fix {spec.key}.family or {key}"
-        )
-    for name, entry in index.items():
-        if isinstance(entry, list) and entry[0] is not None and not (directory / name).is_dir():
-            raise BackboneLoadError(
-                f"{key}={spec.path!r}: model_index.json lists {name!r} but {directory / name} "
-                "is missing (incomplete download?)"
-            )
-    return index
+def read_model_index(directory: Path, spec: BackboneSpec) -> dict[str, Any]:
+    """``model_index.json`` of a checkpoint, checked to be a checkpoint of ``spec.family``."""
+    return sources.read_model_index(
+        directory, f"{spec.key}.path", spec.path, spec.family, BackboneLoadError
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +171,6 @@ class Backbone(ABC):
     """
 
     family: ClassVar[str]
-    pipeline_class: ClassVar[str]  # model_index.json "_class_name"
     text_components: ClassVar[tuple[str, ...]]  # skipped when load_text_encoders is False
     cond_keys: ClassVar[tuple[str, ...]]  # positive conditioning; negatives get NEGATIVE + key
     packed: ClassVar[bool]  # whether latents are 2x2-packed tokens
@@ -234,21 +216,23 @@ class Backbone(ABC):
         so that mistakes fail with a message naming the config key; the components are then
         read by the family's own diffusers pipeline loader and the pipeline object dropped.
         """
-        import diffusers
-
         if spec.family != cls.family:
             raise ValueError(f"{cls.__name__} loads family {cls.family!r}, got {spec.family!r}")
         path = resolve_checkpoint(spec)
-        index = read_model_index(path, spec, cls.pipeline_class)
-        # diffusers only loads components from libraries already imported; components of our
-        # own package (the toy world's codec) are code we ship, so import them first.
-        for entry in index.values():
-            if isinstance(entry, list) and str(entry[0]).startswith("jagg_pipeline."):
-                importlib.import_module(entry[0])
+        index = read_model_index(path, spec)
+        # Most of a stage's start-up: the pipeline module imports diffusers' models and loaders,
+        # transformers, peft and scipy.
+        with importing():
+            import diffusers
+
+            # diffusers only loads components from libraries already imported; components of
+            # our own package (the toy world's codec) are code we ship, so import them first.
+            for entry in index.values():
+                if isinstance(entry, list) and str(entry[0]).startswith("jagg_pipeline."):
+                    importlib.import_module(entry[0])
+            pipeline_class = getattr(diffusers, sources.PIPELINE_CLASSES[cls.family])
         skipped = {} if spec.load_text_encoders else dict.fromkeys(cls.text_components)
-        pipeline = getattr(diffusers, cls.pipeline_class).from_pretrained(
-            path, dtype=DTYPES[spec.dtype], **skipped
-        )
+        pipeline = pipeline_class.from_pretrained(path, dtype=DTYPES[spec.dtype], **skipped)
         return cls(spec, dict(pipeline.components), path)
 
     # ---------------------------------------------------------------------------- conditioning
@@ -407,7 +391,7 @@ class Backbone(ABC):
         """``num_steps + 1`` sigmas (float32, ending at 0) from the checkpoint's scheduler.
 
         Calls the scheduler's own ``set_timesteps`` with the arguments the family's pipeline
-        passes (DESIGN 8.8: re-deriving the schedule gets SD3's and QwenImage's wrong).
+        passes (re-deriving the schedule gets SD3's and QwenImage's wrong).
         """
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")

@@ -5,7 +5,7 @@ projections concatenated) and their PENULTIMATE hidden states (concatenated on t
 axis, zero-padded to T5's width); T5 (no mask, padded to ``max_sequence_length``, default 256)
 is appended along the token axis. Latents stay [B, C, h, w] (the transformer patchifies
 itself) and the timestep is 1000 sigma. The schedule is the scheduler's static shift, which
-its ``set_timesteps`` applies in its own way (DESIGN 8.8).
+its ``set_timesteps`` applies in its own way.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class SD3Backbone(Backbone):
     """SD3Transformer2DModel + 2 x CLIPTextModelWithProjection + T5EncoderModel + AutoencoderKL."""
 
     family = "sd3"
-    pipeline_class = "StableDiffusion3Pipeline"
     text_components = (
         "text_encoder",
         "tokenizer",

@@ -6,7 +6,7 @@ sizes, randomly initialised from a seed, and ``save_pretrained`` writes it exact
 checkpoint is laid out. The adapters then load these directories through the same code path as
 a real checkpoint, and the tests compare them with the official diffusers pipelines.
 
-Tokenizers are made without any download (DESIGN 8.7, 8.8): the CLIP vocabulary is rebuilt
+Tokenizers are made without any download: the CLIP vocabulary is rebuilt
 from the BPE merges file that open_clip ships; the T5 unigram vocabulary is the toy corpus'
 words and characters scored by log frequency; the Qwen2 byte-level BPE is trained here with
 ``tokenizers`` on the toy captions and QwenImage's prompt template. Transformers 5 ignores

@@ -104,15 +104,15 @@ def stage_errors() -> Iterator[None]:
     """Exit with ``error: <message>`` on bad input (:class:`~jagg_pipeline.errors.InputError`).
 
     Config, manifest, table, prompt-file, policy and checkpoint errors name the key or the
-    file; a missing input path is a FileNotFoundError; a full disk a DiskFullError naming the
-    output. Anything else is a bug and keeps its traceback.
+    file; a missing input path is a FileNotFoundError; a full disk or an unwritable folder an
+    OutputError naming the output. Anything else is a bug and keeps its traceback.
     """
-    from jagg_pipeline.artifacts import DiskFullError
+    from jagg_pipeline.artifacts import OutputError
     from jagg_pipeline.errors import InputError
 
     try:
         yield
     except (InputError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None
-    except DiskFullError as err:
+    except OutputError as err:
         raise SystemExit(f"error: {err.strerror}") from None

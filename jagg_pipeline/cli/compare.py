@@ -43,9 +43,9 @@ def _run(args: argparse.Namespace) -> int:
             metrics = [read_run(directory, variant, seed) for variant, seed, directory in runs]
             source = "the run folders (tracking.backend: none)"
         else:
-            tracked = {
-                t.tags.get("jagg_run_key"): t for t in open_tracker(tracking).runs(args.target)
-            }
+            # Read only: a store or experiment that is not there is not created.
+            tracker = open_tracker(tracking, create=False)
+            tracked = {t.tags.get("jagg_run_key"): t for t in tracker.runs(args.target)}
             keys = [run_key(d, args.target, v, s) for v, s, d in runs]
             missing = [key for key in keys if key not in tracked]
             if missing:

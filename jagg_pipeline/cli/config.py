@@ -112,8 +112,10 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     key), with each experiment's overrides, variants and sweep values checked against the base
     sections' schema; then the checks across fields (the dataclasses' ``__post_init__``) of
     the base sections and of every run of every experiment, for the parts the schema passed
-    (the runs once the base sections pass: each run would repeat a base section's error).
-    A file without a ``workflow`` section is an experiment config and checked as the base.
+    (the runs once the base sections pass: each run would repeat a base section's error);
+    then the files the runs name (prompt files, checkpoint folders), as the workflow checks
+    them. A file without a ``workflow`` section is an experiment config and checked as the
+    base.
     """
     from jagg_pipeline.config import ExperimentConfig, schema
     from jagg_pipeline.configtools import (
@@ -124,13 +126,19 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         read_yaml,
         schema_errors,
     )
-    from jagg_pipeline.experiments import WORKFLOW_KEY, resolve_runs, workflow_schema
+    from jagg_pipeline.experiments import (
+        WORKFLOW_KEY,
+        check_inputs,
+        resolve_runs,
+        split,
+        workflow_schema,
+    )
 
     source = f"{path} (with --set {' '.join(overrides)})" if overrides else str(path)
     errors = duplicate_keys(path)
     try:
         # A duplicate key fails the strict read; the others are checked on the last value.
-        data = read_yaml(path) if not errors else _read_lenient(path)
+        data = read_yaml(path, duplicates_ok=bool(errors))
         data = apply_overrides(data or {}, overrides) if isinstance(data, dict | None) else data
     except ConfigError as err:
         return [*errors, str(err)], []
@@ -174,6 +182,10 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         runs = resolve_runs(data)
     except ConfigError as err:
         return [f"{source}: {err}"], []
+    # The files the runs name (prompt files, checkpoint folders), as the workflow checks them.
+    problems = check_inputs(runs.values(), split(data)[1].toyworld.root)
+    if problems:
+        return [f"{source}: {problem}" for problem in problems], []
     return [], _summary(path, runs, targets)
 
 
@@ -206,14 +218,6 @@ def _summary(path: Path, runs: dict, targets: dict) -> list[str]:
             f"{len(seeds)} seed(s): {', '.join(variants)}"
         )
     return lines
-
-
-def _read_lenient(path: Path) -> object:
-    """``path`` parsed as plain YAML (a key given twice: the last wins)."""
-    import yaml
-
-    with open(path) as stream:
-        return yaml.safe_load(stream)
 
 
 def _override_errors(where: str, kind: str, target: dict, base: dict) -> list[tuple[str, str]]:

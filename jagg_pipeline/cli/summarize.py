@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jagg_pipeline.cli.common import add_run_argument, parse_runs
+from jagg_pipeline.cli.common import add_run_argument, parse_runs, stage_errors
 
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
 HELP = "compare an experiment's runs: metrics.jsonl of every run, table.md, curves.png"
@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "metric line of every run, tagged with run, variant and seed), summary.json, "
             "table.md (per variant, mean +- std over seeds: held-out metrics base -> final "
             "and their rise, rollout reward, update-stage seconds per round; then per stage the "
-            "median import, load and work seconds of a job) and curves.png."
+            "median import, load and work seconds of a job) and curves.png. A round or an "
+            "evaluation that a run's config.yaml calls for and its folder lacks is an error "
+            "naming it: no run is summarised with a point missing."
         ),
     )
     add_run_argument(p, "a run folder and its variant and seed; repeat for every run")
@@ -38,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
         f"{variant}/seed-{seed}": (directory, variant, seed)
         for variant, seed, directory in parse_runs(args)
     }
-    write_summary(runs, args.out, args.title)
+    with stage_errors():
+        write_summary(runs, args.out, args.title)
     print((args.out / "table.md").read_text())
     print(f"summary written to {args.out}")
     return 0

@@ -9,6 +9,8 @@ from pathlib import Path
 from jagg_pipeline.cli.common import add_run_argument, parse_runs, stage_errors
 
 HELP = "push finished runs (stage folders) to MLflow: params, metrics per round, grids"
+# Beside --out: every run pushed so far, by store and experiment (jagg_pipeline.tracking).
+LEDGER_NAME = "pushed.json"
 
 
 def add_target_runs_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             ".jsonl, eval/trained-*) and pushes them as one MLflow run per variant and "
             "seed under a parent run per target, into tracking.experiment at "
             "MLFLOW_TRACKING_URI or tracking.uri. Idempotent: a second push adds only what is "
-            "new. With tracking.backend: none, nothing is pushed and mlflow is not imported."
+            "new; a run whose files changed since (a rerun) replaces its MLflow run. A run "
+            "with a missing round, a server that cannot be reached (within 30 s) or a store "
+            "that cannot be read is one error line naming it. With tracking.backend: none, "
+            "nothing is pushed and mlflow is not imported."
         ),
     )
     add_target_runs_arguments(p)
@@ -40,7 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="a file attached to the target's parent run (e.g. the summary's curves.png)",
     )
-    p.add_argument("--out", type=Path, help="write {run key: MLflow run id} here (JSON)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"write {{run key: MLflow run id}} here (JSON); beside it, {LEDGER_NAME} keeps "
+        "every run pushed so far, and a store that lost them is refused, not filled anew",
+    )
     p.set_defaults(handler=_run)
 
 
@@ -48,10 +58,11 @@ def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.artifacts import atomic_write_text
     from jagg_pipeline.tracking import track_runs
 
+    ledger = args.out.with_name(LEDGER_NAME) if args.out else None
     with stage_errors():
-        pushed = track_runs(parse_runs(args), args.target, args.parent_file)
-    if args.out:
-        atomic_write_text(args.out, json.dumps(pushed, indent=1, sort_keys=True) + "\n")
+        pushed = track_runs(parse_runs(args), args.target, args.parent_file, ledger=ledger)
+        if args.out:
+            atomic_write_text(args.out, json.dumps(pushed, indent=1, sort_keys=True) + "\n")
     for key, run_id in pushed.items():
         print(f"{key}: {run_id or 'not tracked (tracking.backend: none)'}")
     return 0

@@ -4,7 +4,7 @@ The truth comes from the caption (:func:`jagg_pipeline.toyworld.data.parse_capti
 renderer's own geometry (:func:`jagg_pipeline.toyworld.data.shape_mask`). Three parts, each in
 [0, 1], combined by their geometric mean, (background x overlap x shape)^(1/3): a zero in any
 part zeros the total, so no part can be traded for another (an additive version was gamed by
-big filled blocks, DESIGN section 6). The cube root is a monotone map of the plain product (it
+big filled blocks). The cube root is a monotone map of the plain product (it
 ranks every set of samples the same way) that gives graded credit: a policy whose three parts
 are each about 0.5 scores about 0.5, not 0.125, so a group's samples differ visibly and the
 GRPO signal does not vanish near zero.

@@ -4,7 +4,7 @@ Saved with ``save_pretrained`` together with a ``CLIPProcessor`` (the toy world'
 tokenizer and an image processor that only rescales and normalises 32 x 32 images), so the real
 CLIPScore code path (:mod:`jagg_pipeline.rewards.clipscore`) loads and scores it. It is the
 held-out second metric next to the attribute reward: a policy that games the reward's pixel
-statistics does not fool it the same way (DESIGN section 6).
+statistics does not fool it the same way.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from jagg_pipeline.toyworld.text import MAX_LENGTH, word_tokenizer
 LATENT_CHANNELS = 12  # 3 colour channels x 2 x 2 pixels
 LATENT_SIZE = IMAGE_SIZE // 2
 TEXT_WIDTH = 64  # every text encoder's width; also the transformers' joint attention width
-HEADS, HEAD_DIM = 2, 32  # transformer width 64, as in DESIGN section 6's prototype
+HEADS, HEAD_DIM = 2, 32  # transformer width 64
 
 
 def _sd3(heads: int, head_dim: int) -> Any:

@@ -16,7 +16,7 @@ TOY_FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage")
 
 @dataclass
 class PretrainSettings:
-    """Budget and optimiser of one backbone's pretraining (DESIGN section 6 calibration).
+    """Budget and optimiser of one backbone's pretraining (calibrated on the toy world).
 
     Objects appear suddenly, after 800-1200 steps, and step count matters more than batch size
     (SD3 toy, one thread, measured 2026-12-01: 1600 x 24 reached held-out attribute reward

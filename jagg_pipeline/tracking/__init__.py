@@ -13,6 +13,12 @@ evaluate: one line per round; train: one line per optimizer step, folded into on
 round: times and call counts summed, the rest averaged), so :func:`lines_from_points` turns
 them back into the lines :mod:`jagg_pipeline.summary` reads: the comparison is computed the
 same way from MLflow as from the files.
+
+What goes wrong is one :class:`TrackingError` line naming the store (its URI, or its SQLite
+file): a server that cannot be reached (within seconds, not MLflow's minutes of retries), a
+store that cannot be read, and a store that lost runs pushed to it before: :func:`track_runs`
+keeps a ledger of what it pushed where (``track``: ``pushed.json`` beside its ``--out``), so
+an emptied or replaced store is reported instead of silently filled anew.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from typing import Any, Protocol
 import yaml
 
 from jagg_pipeline import __version__
+from jagg_pipeline.artifacts import atomic_write_json
 from jagg_pipeline.config import TrackingConfig
 from jagg_pipeline.configtools import digest
+from jagg_pipeline.errors import InputError
 from jagg_pipeline.summary import RunMetrics, read_run
 
 RUN_KEY_TAG = "jagg_run_key"
@@ -46,6 +54,13 @@ SKIPPED = re.compile(
     r"|probe\.\d+\.(index|steps\.\d+|sigma_start|sigma_end))$"
 )
 Point = tuple[str, float, int]
+
+
+class TrackingError(InputError):
+    """The tracker cannot be reached or read, or lost runs pushed to it.
+
+    One line naming the store's URI (or SQLite file) and the fix.
+    """
 
 
 @dataclass
@@ -78,6 +93,8 @@ class Tracker(Protocol):
 
     def runs(self, target: str) -> list[TrackedRun]: ...
 
+    def missing(self, keys: Sequence[str]) -> list[str]: ...
+
 
 class NullTracker:
     """``tracking.backend: none``: pushes nothing, has nothing."""
@@ -88,19 +105,32 @@ class NullTracker:
     def runs(self, target: str) -> list[TrackedRun]:
         return []
 
+    def missing(self, keys: Sequence[str]) -> list[str]:
+        return []
+
 
 def tracking_uri(config: TrackingConfig) -> str:
     """``MLFLOW_TRACKING_URI`` when set (a server for a cluster), else ``tracking.uri``."""
     return os.environ.get("MLFLOW_TRACKING_URI") or config.uri
 
 
-def open_tracker(config: TrackingConfig) -> Tracker:
-    """The tracker of ``config`` (mlflow is imported only for ``backend: mlflow``)."""
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store URI (None for any other store)."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def open_tracker(config: TrackingConfig, create: bool = True) -> Tracker:
+    """The tracker of ``config`` (mlflow is imported only for ``backend: mlflow``).
+
+    ``create``: start the store and the experiment where there are none yet (``track``);
+    without it (``compare``), a store or an experiment that is not there has no runs, and
+    nothing is written.
+    """
     if config.backend == "none":
         return NullTracker()
     from jagg_pipeline.tracking.mlflow_store import MlflowTracker
 
-    return MlflowTracker(tracking_uri(config), config.experiment)
+    return MlflowTracker(tracking_uri(config), config.experiment, create)
 
 
 def _flat(value: Any, prefix: str, out: dict[str, str]) -> None:
@@ -258,16 +288,63 @@ def tracking_of(directories: Sequence[str | Path]) -> TrackingConfig:
     return from_dict(TrackingConfig, json.loads(sections.pop()), prefix="tracking")
 
 
+def _read_ledger(path: Path | None, uri: str, experiment: str) -> dict[str, str]:
+    """Run key -> run id of every run pushed to ``experiment`` at ``uri`` (ledger ``path``)."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        ledger = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TrackingError(
+            f"{path}: not a JSON ledger ({err.msg}); delete it (the next push then trusts the "
+            "store as it is)"
+        ) from None
+    return dict(ledger.get(uri, {}).get(experiment, {}))
+
+
+def _write_ledger(path: Path, uri: str, experiment: str, pushed: Mapping[str, str]) -> None:
+    ledger = json.loads(path.read_text()) if path.is_file() else {}
+    ledger.setdefault(uri, {}).setdefault(experiment, {}).update(pushed)
+    atomic_write_json(path, ledger)
+
+
 def track_runs(
     runs: Sequence[tuple[str, int, str | Path]],
     target: str,
     parent_files: Sequence[Path] = (),
     snakemake_target: str = "",
+    ledger: Path | None = None,
 ) -> dict[str, str]:
-    """Push ``runs`` ((variant, seed, directory) of one target); run key -> tracker run id."""
-    tracker = open_tracker(tracking_of([d for _, _, d in runs]))
+    """Push ``runs`` ((variant, seed, directory) of one target); run key -> tracker run id.
+
+    Every run is read first (a run with a gap is refused before anything is pushed). With a
+    ``ledger`` (a JSON file, kept across failed pushes), a run that was pushed to the same
+    store before and is gone from it is a :class:`TrackingError`, and each pushed run is
+    recorded there.
+    """
+    tracking = tracking_of([d for _, _, d in runs])
+    records = [
+        run_record(directory, target, variant, seed, snakemake_target)
+        for variant, seed, directory in runs
+    ]
+    uri, experiment = tracking_uri(tracking), tracking.experiment
+    if tracking.backend == "none":
+        ledger = None
+    expected = [r.key for r in records if r.key in _read_ledger(ledger, uri, experiment)]
+    # A store that lost them is not started anew: no new SQLite file, no new experiment.
+    tracker = open_tracker(tracking, create=not expected)
+    lost = tracker.missing(expected)
+    if lost:
+        raise TrackingError(
+            f"MLflow store {uri}, experiment {experiment!r}: {len(lost)} run(s) pushed there "
+            f"before are gone ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}; "
+            f"ledger {ledger}): the store was emptied or replaced. Restore it (or point "
+            f"tracking.uri / MLFLOW_TRACKING_URI at the right one), or delete {ledger} to push "
+            "every run into this store anew"
+        )
     pushed = {}
-    for variant, seed, directory in runs:
-        record = run_record(directory, target, variant, seed, snakemake_target)
+    for record in records:
         pushed[record.key] = tracker.push(record, parent_files)
+        if ledger is not None:
+            _write_ledger(ledger, uri, experiment, {record.key: pushed[record.key]})
     return pushed

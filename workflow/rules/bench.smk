@@ -32,5 +32,5 @@ rule bench_update:
         device=bench_device(),
         out=parent_folder,
     shell:
-        "{params.python} -m jagg_pipeline bench --device {params.device} --out {params.out}"
-        " > {log} 2>&1"
+        "{params.python:q} -m jagg_pipeline bench --device {params.device:q}"
+        " --out {params.out:q} > {log:q} 2>&1"

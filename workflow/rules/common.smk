@@ -12,8 +12,21 @@ from pathlib import Path
 import yaml
 
 from jagg_pipeline.artifacts import ROUND_RECORDS, atomic_write_text
-from jagg_pipeline.configtools import digest, read_yaml, to_dict
-from jagg_pipeline.experiments import merge, resolve_runs, split, stage_digest
+from jagg_pipeline.configtools import (
+    ConfigError,
+    apply_overrides,
+    digest,
+    read_yaml,
+    to_dict,
+)
+from jagg_pipeline.experiments import (
+    check_inputs,
+    merge,
+    resolve_runs,
+    split,
+    stage_digest,
+    toyworld_inputs,
+)
 
 
 def _own_config():
@@ -22,13 +35,17 @@ def _own_config():
     by experiments.merge, so a file's rewards.weights, variants or eval metrics are the ones
     that run, never merged into config.yaml's. Snakemake would deep-merge them.
 
-    Read with the strict YAML reader, which names a repeated key (Snakemake's lets it win).
+    Read with the strict YAML reader, which names a repeated key (Snakemake's lets it win)
+    and bounds aliases. --config values are read again from the command line as YAML: Snakemake
+    hands a mapping's values over as text (train='{rounds: 2}' gave rounds '2').
     """
     files = workflow.overwrite_configfiles or workflow.configfiles
     data = {}
     for path in files:
         data = merge(data, read_yaml(path) or {})
-    return merge(data, dict(workflow.config_settings.config))
+    for entry in workflow.config_settings.config_args or ():
+        data = merge(data, apply_overrides({}, [entry]))
+    return data
 
 
 config.clear()
@@ -37,6 +54,11 @@ RUNS = resolve_runs(config)
 WORKFLOW = split(config)[1]
 RESULTS = WORKFLOW.results
 TOYWORLD = WORKFLOW.toyworld.root
+# The files the config names (prompt files, checkpoint folders), read now: a bad one is
+# refused before any job starts, not minutes into one.
+_PROBLEMS = check_inputs(RUNS.values(), TOYWORLD)
+if _PROBLEMS:
+    raise ConfigError("\n".join(_PROBLEMS))
 LOGS = f"{RESULTS}/logs"
 BENCHMARKS = f"{RESULTS}/benchmarks"
 # Without --sdm the interpreter running Snakemake runs the stages too (the project's virtual
@@ -122,16 +144,7 @@ evaluate_digest = _digest_param("evaluate")
 
 def _toyworld_inputs(config):
     """The toy-world builds a run's config points at (none for real checkpoints)."""
-    inputs = {}
-    backbone = Path(config.backbone.path)
-    if backbone.parent == Path(TOYWORLD) and backbone.name == config.backbone.family:
-        inputs["toy_backbone"] = str(backbone)
-    used = {*config.rewards.weights, *config.eval.metrics}
-    if "toy_clipscore" in used and Path(config.rewards.toy_clipscore.model) == Path(
-        TOYWORLD, "clip"
-    ):
-        inputs["toy_clip"] = f"{TOYWORLD}/clip"
-    return inputs
+    return toyworld_inputs(config, TOYWORLD)
 
 
 # Retention (workflow.keep_every). A kept round's checkpoint and rollout live in round-<r>/
@@ -472,15 +485,51 @@ def task_cpus(wildcards, threads):
     return threads
 
 
-def run_outputs(run):
-    """What a finished run leaves: every evaluation (and a training run's last checkpoint,
-    their input)."""
-    evaluations = [
-        f"{run.directory}/eval/trained-{n:04d}" for n in run.evaluated_rounds
-    ]
+def run_files(run):
+    """What a finished run keeps, each by the path that only one of the rules makes.
+
+    That is every evaluation, every round's scores and metric lines, and the checkpoint and
+    rollout of each kept round (workflow.keep_every). The summary reads them, and the
+    targets ask for them too: Snakemake remakes a deleted file only for a job that asks for
+    it (tested: a round's scores and an evaluation deleted after a finished run are rebuilt
+    by the next run of the target).
+    """
+    files = [f"{run.directory}/eval/trained-{n:04d}" for n in run.evaluated_rounds]
     if run.policy is not None:
-        return evaluations
-    return [checkpoint_dir(run, run.config.train.rounds - 1), *evaluations]
+        return files
+    for round_index in range(run.config.train.rounds):
+        records = f"{round_folder(run, round_index)}/{ROUND_RECORDS}"
+        files += [f"{round_folder(run, round_index)}/scores", f"{records}/score.jsonl"]
+        if kept_round(run, round_index):
+            # The rules rollout and train write these records (ruleorder in summary.smk:
+            # their transient twins could write them too).
+            files += [rollout_dir(run, round_index), checkpoint_dir(run, round_index)]
+            files += [f"{records}/rollout.jsonl", f"{records}/train.jsonl"]
+    return files
+
+
+def lost_records(run):
+    """The transient stage folders of a finished run (its last round trained) whose rounds
+    lost their rollout or train metric lines: asking for the folder reruns the job that
+    writes both. (The lines alone could come from either rule of a pair; a run still going
+    writes them itself, and asking for a transient folder keeps it until the target is done.)
+    """
+    rounds = 0 if run.policy is not None else run.config.train.rounds
+
+    def records(round_index):
+        return Path(round_folder(run, round_index), ROUND_RECORDS)
+
+    if not rounds or not (records(rounds - 1) / "train.jsonl").is_file():
+        return []
+    lost = []
+    for round_index in range(rounds):
+        if kept_round(run, round_index):
+            continue
+        if not (records(round_index) / "rollout.jsonl").is_file():
+            lost.append(rollout_dir(run, round_index))
+        if not (records(round_index) / "train.jsonl").is_file():
+            lost.append(checkpoint_dir(run, round_index))
+    return lost
 
 
 def _runs(experiment):
@@ -494,29 +543,41 @@ def _runs(experiment):
     return runs
 
 
+def target_files(experiment):
+    """What a target that includes ``experiment`` asks for: the experiment tracked, and
+    every file its runs keep (:func:`run_files`, :func:`lost_records`), so that a finished
+    target notices a deleted one. Asking for tracked.json also retries a failed push: it is
+    gone after one (Snakemake removes a failed job's outputs), and the comparison with it.
+    """
+    files = [f"{RESULTS}/{experiment}/tracking/tracked.json"]
+    for run in _runs(experiment):
+        files += run_files(run) + lost_records(run)
+    return files
+
+
 def experiment_target(experiment):
-    """Input function of a target rule: the experiment tracked (after its summary, which
-    needs every run)."""
+    """Input function of a target rule: :func:`target_files` of its experiment."""
 
     def inputs(wildcards):
-        _runs(experiment)
-        return f"{RESULTS}/{experiment}/tracking/tracked.json"
+        return target_files(experiment)
 
     inputs.__name__ = f"{experiment}_target"
     return inputs
 
 
 def summary_inputs(wildcards):
-    """Every finished run of the experiment being summarised."""
-    return [path for run in _runs(wildcards.experiment) for path in run_outputs(run)]
+    """Every file the summary reads: what the experiment's runs keep (:func:`run_files`)."""
+    return [path for run in _runs(wildcards.experiment) for path in run_files(run)]
 
 
 def summary_arguments(wildcards):
-    """``--run VARIANT SEED DIR`` for every run of the experiment."""
-    return " ".join(
-        f"--run {run.variant} {run.seed} {run.directory}"
+    """``--run VARIANT SEED DIR`` for every run of the experiment, as a list of arguments
+    (each one quoted in the shell command by ``{params.runs:q}``)."""
+    return [
+        argument
         for run in _runs(wildcards.experiment)
-    )
+        for argument in ("--run", run.variant, str(run.seed), run.directory)
+    ]
 
 
 def summary_folder(wildcards):
@@ -530,9 +591,12 @@ def tracking_digest(wildcards):
 
 
 def report_inputs(wildcards):
-    """The comparison pages of the experiments named in workflow.report."""
+    """The comparison pages of the experiments named in workflow.report, and what they are
+    read from (:func:`target_files`: a page is out of date once a push failed)."""
     return [
-        f"{RESULTS}/report/{name}/index.html" for name in WORKFLOW.report if _runs(name)
+        path
+        for name in WORKFLOW.report
+        for path in [f"{RESULTS}/report/{name}/index.html", *target_files(name)]
     ]
 
 

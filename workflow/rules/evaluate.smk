@@ -27,6 +27,6 @@ rule evaluate:
         device=backbone_device,
         digest=evaluate_digest,
     shell:
-        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline evaluate --config {params.config}"
-        " --set backbone.device={params.device} --policy {params.policy}"
-        " --out {output.metrics} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline evaluate"
+        " --config {params.config:q} --set backbone.device={params.device:q}"
+        " --policy {params.policy:q} --out {output.metrics:q} > {log:q} 2>&1"

@@ -31,10 +31,11 @@ rule rollout:
         device=backbone_device,
         digest=rollout_digest,
     shell:
-        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline rollout --config {params.config}"
-        " --set backbone.device={params.device} --policy {params.policy} --round {wildcards.round}"
-        " --out {output.rollout:q} > {log} 2>&1"
-        " && cp {output.rollout:q}/metrics.jsonl {output.metrics:q}"
+        "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline rollout"
+        " --config {params.config:q} --set backbone.device={params.device:q}"
+        " --policy {params.policy:q} --round {wildcards.round:q}"
+        " --out {output.rollout:q} > {log:q} 2>&1"
+        " && cp {output.rollout:q}/metrics.jsonl {output.metrics:q} 2>> {log:q}"
 
 
 # The rollout of a round that keeps neither rollout nor checkpoint (workflow.keep_every):

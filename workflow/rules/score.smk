@@ -30,6 +30,7 @@ rule score:
         device=reward_device,
         digest=score_digest,
     shell:
-        "OMP_NUM_THREADS={threads} {params.python} -m jagg_pipeline score --config {params.config}"
-        " --rollouts {input.rollouts:q} --device {params.device} --out {output.scores:q} > {log} 2>&1"
-        " && cp {output.scores:q}/metrics.jsonl {output.metrics:q}"
+        "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline score"
+        " --config {params.config:q} --rollouts {input.rollouts:q} --device {params.device:q}"
+        " --out {output.scores:q} > {log:q} 2>&1"
+        " && cp {output.scores:q}/metrics.jsonl {output.metrics:q} 2>> {log:q}"

@@ -2,6 +2,13 @@
 # markdown table and the curves.
 
 
+# A round's rollout and train metric lines are outputs of the rule pair that writes its
+# stage folder (kept or transient). The summary and the targets ask for a kept round's lines
+# by name: the kept rule makes them (a transient round's are never asked for by name).
+ruleorder: rollout > rollout_transient
+ruleorder: train > train_transient
+
+
 rule summary:
     input:
         summary_inputs,
@@ -44,5 +51,5 @@ rule summary:
         runs=summary_arguments,
         out=summary_folder,
     shell:
-        "{params.python} -m jagg_pipeline summarize {params.runs} --title {wildcards.experiment}"
-        " --out {params.out} > {log} 2>&1"
+        "{params.python:q} -m jagg_pipeline summarize {params.runs:q}"
+        " --title {wildcards.experiment:q} --out {params.out:q} > {log:q} 2>&1"

@@ -1,6 +1,8 @@
 # An experiment's finished runs pushed to MLflow (tracking section of the runs' config), then
 # read back from it into the comparison report. Both run on the submitting host (localrules):
 # a SQLite store is written by one process at a time, never from several cluster nodes.
+# track keeps pushed.json beside tracked.json (the runs pushed to each store), not an output:
+# Snakemake removes a failed job's outputs, and the ledger must outlive a failed push.
 
 
 rule track:
@@ -26,8 +28,9 @@ rule track:
         runs=summary_arguments,
         digest=tracking_digest,
     shell:
-        "{params.python} -m jagg_pipeline track --target {wildcards.experiment} {params.runs}"
-        " --parent-file {input.summary} --parent-file {input.curves} --out {output} > {log} 2>&1"
+        "{params.python:q} -m jagg_pipeline track --target {wildcards.experiment:q}"
+        " {params.runs:q} --parent-file {input.summary:q} --parent-file {input.curves:q}"
+        " --out {output:q} > {log:q} 2>&1"
 
 
 rule compare:
@@ -71,5 +74,5 @@ rule compare:
         runs=summary_arguments,
         out=parent_folder,
     shell:
-        "{params.python} -m jagg_pipeline compare --target {wildcards.experiment} {params.runs}"
-        " --out {params.out} > {log} 2>&1"
+        "{params.python:q} -m jagg_pipeline compare --target {wildcards.experiment:q}"
+        " {params.runs:q} --out {params.out:q} > {log:q} 2>&1"

@@ -38,10 +38,10 @@ rule train:
         digest=train_digest,
     shell:
         "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
-        " --config {params.config} --set backbone.device={params.device}"
-        " --policy {params.policy} --rollouts {input.rollouts} --rewards {input.scores}"
-        " --out {output.checkpoint:q} > {log} 2>&1"
-        " && cp {output.checkpoint:q}/metrics.jsonl {output.metrics:q}"
+        " --config {params.config:q} --set backbone.device={params.device:q}"
+        " --policy {params.policy:q} --rollouts {input.rollouts:q} --rewards {input.scores:q}"
+        " --out {output.checkpoint:q} > {log:q} 2>&1"
+        " && cp {output.checkpoint:q}/metrics.jsonl {output.metrics:q} 2>> {log:q}"
 
 
 # Training of a round that keeps neither checkpoint nor rollout (workflow.keep_every): its
