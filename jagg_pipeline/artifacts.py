@@ -22,6 +22,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# A policy is ``base`` (the backbone's own weights) or a checkpoint folder, which keeps its
+# weights in POLICY_DIR: the folder the consumers of a checkpoint digest and read.
+BASE = "base"
+POLICY_DIR = "policy"
+
+
+def policy_weights_dir(policy: str | Path) -> Path:
+    """Where a checkpoint directory keeps its policy weights (what consumers digest)."""
+    return Path(policy) / POLICY_DIR
+
 
 class OutputError(OSError):
     """An output could not be written; the message names it.

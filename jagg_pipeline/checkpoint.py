@@ -144,7 +144,7 @@ def write_checkpoint(
 
 
 def _write_shards(staging: Path, contents: CheckpointContents) -> None:
-    from jagg_pipeline.policy import policy_weights_dir
+    from jagg_pipeline.artifacts import policy_weights_dir
 
     shards.save(contents.model_state, policy_weights_dir(staging))
     shards.save(contents.optimizer_state, staging / TRAINER_DIR / OPTIMIZER_DIR)

@@ -171,7 +171,7 @@ def write_evaluation(
 def trained_rounds(policy: str | Path) -> int | None:
     """Rounds of training behind ``policy`` (0: the base; None: weights without a trainer)."""
     from jagg_pipeline import checkpoint
-    from jagg_pipeline.policy import BASE
+    from jagg_pipeline.artifacts import BASE
 
     if str(policy) == BASE:
         return 0

@@ -257,7 +257,7 @@ def finish_output(
 
 def stage_inputs(source: str | Path, policy: str | Path) -> dict[str, Path]:
     """Manifest inputs of a sampling stage: the prompt file and the policy's weights, if any."""
-    from jagg_pipeline.policy import BASE, policy_weights_dir
+    from jagg_pipeline.artifacts import BASE, policy_weights_dir
     from jagg_pipeline.prompts import TOY_SOURCES
 
     inputs = {} if str(source) in TOY_SOURCES else {"prompts": Path(source)}

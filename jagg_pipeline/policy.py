@@ -24,21 +24,14 @@ from typing import Any
 
 import torch
 
+from jagg_pipeline.artifacts import BASE, policy_weights_dir
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.errors import InputError
 from jagg_pipeline.manifest import check_input
 
-BASE = "base"
-POLICY_DIR = "policy"
-
 
 class PolicyError(InputError):
     """A ``--policy`` is neither ``base`` nor a usable checkpoint directory."""
-
-
-def policy_weights_dir(policy: str | Path) -> Path:
-    """Where a checkpoint directory keeps its policy weights (what consumers digest)."""
-    return Path(policy) / POLICY_DIR
 
 
 def load_policy(

@@ -80,7 +80,7 @@ class RoundData:
 
 def _check_policy_source(rollouts: Path, made: dict[str, Any], policy: str | Path) -> None:
     """Refuse rollouts that were not sampled from ``policy`` (PPO ratios would be wrong)."""
-    from jagg_pipeline.policy import BASE, policy_weights_dir
+    from jagg_pipeline.artifacts import BASE, policy_weights_dir
 
     if str(policy) == BASE:
         if "policy" in made.get("inputs", {}):
@@ -359,7 +359,8 @@ class _Trainer:
         policy: str | Path,
         previous: ckpt.TrainerState | None,
     ) -> None:
-        from jagg_pipeline.policy import BASE, load_policy
+        from jagg_pipeline.artifacts import BASE
+        from jagg_pipeline.policy import load_policy
 
         self.config, self.ctx = config, ctx
         self.engine = config.jagg.engine_options()
@@ -398,7 +399,8 @@ class _Trainer:
 
     def _resume(self, checkpoint: str | Path, previous: ckpt.TrainerState) -> None:
         """Continue from ``checkpoint``: this rank's shards of its weights, optimizer, EMA."""
-        from jagg_pipeline.policy import check_checkpoint, load_weights, policy_weights_dir
+        from jagg_pipeline.artifacts import policy_weights_dir
+        from jagg_pipeline.policy import check_checkpoint, load_weights
 
         check_checkpoint(self.config, checkpoint)
         transformer = self.backbone.transformer
@@ -693,7 +695,7 @@ def train_round(
     (on a terminal) or one line per optimizer step on stderr, from rank 0.
     """
     clock = StageClock.start()
-    from jagg_pipeline.policy import BASE, policy_weights_dir
+    from jagg_pipeline.artifacts import BASE, policy_weights_dir
 
     # Load: the round's inputs, checked against each other and the policy.
     out = Path(out)
