@@ -608,13 +608,18 @@ def toyworld_inputs(config: ExperimentConfig, root: str) -> dict[str, str]:
     return inputs
 
 
+# The toy CLIP a run's toy CLIPScore reads (a saved model folder, built by the toy world).
+TOY_CLIP_KEY = "toy_clipscore.model"
+
+
 def check_inputs(runs: Iterable[Run], toyworld_root: str) -> list[str]:
     """What is wrong with the files the runs' configs name, one line per problem.
 
     Each prompt file (``sampler.prompts`` of a training run, ``eval.prompts``) is read whole
     as its stage will read it, and each ``backbone.path`` that no toy-world rule builds is
     checked to be a checkpoint of its family (:func:`~jagg_pipeline.sources.check_pipeline_dir`),
-    without loading a model: the workflow refuses them while it is parsed, not minutes into a
+    as is the toy CLIP of ``toy_clipscore`` where no toy-world rule builds it, without loading
+    a model: the workflow refuses them while it is parsed, not minutes into a
     job. Each line names the key, the file and the runs that use it; each file is read once.
     """
     problems: dict[tuple[str, ...], str | None] = {}
@@ -627,9 +632,14 @@ def check_inputs(runs: Iterable[Run], toyworld_root: str) -> list[str]:
             inputs.append(
                 ("sampler.prompts", "sampler.prompt_column", sampler.prompts, sampler.prompt_column)
             )
-        if "toy_backbone" not in toyworld_inputs(config, toyworld_root):
+        toy = toyworld_inputs(config, toyworld_root)
+        if "toy_backbone" not in toy:
             spec = config.backbone
             inputs.append(("backbone.path", spec.family, spec.path, spec.revision))
+        used = {*config.rewards.weights, *config.eval.metrics}
+        if "toy_clipscore" in used and "toy_clip" not in toy:
+            model = config.rewards.toy_clipscore.model
+            inputs.append((f"rewards.{TOY_CLIP_KEY}", "", model, None))
         for what in inputs:
             if what not in problems:
                 problems[what] = _input_problem(*what, toyworld_root)
@@ -649,6 +659,14 @@ def _input_problem(key: str, other: str, value: str, extra: str | None, root: st
     ``extra``. A backbone: ``backbone.path``, the family ``other``, the path ``value``, the
     revision ``extra``.
     """
+    if key == f"rewards.{TOY_CLIP_KEY}":
+        if (Path(value) / "config.json").is_file():
+            return None
+        return (
+            f"{key}: {shown(value)} is no saved CLIP model (no config.json there); the workflow "
+            f"builds the toy CLIP at {root}/clip, from workflow.toyworld.root: point {key} there "
+            "or at a CLIP folder of your own"
+        )
     if key == "backbone.path":
         try:
             check_pipeline_dir(key, value, other, extra)

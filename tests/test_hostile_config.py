@@ -288,6 +288,18 @@ CASES = [
         ),
         ("backbone.path", "results/toyworld/sd3", "workflow.toyworld.root"),
     ),
+    Case(
+        "toy-clip-left-behind",
+        lambda d, _: merge(
+            d,
+            {
+                "workflow": {"toyworld": {"root": "elsewhere/toyworld"}},
+                "backbone": {"path": "elsewhere/toyworld/sd3"},
+                "eval": {"metrics": ["toy_attributes", "toy_clipscore"]},
+            },
+        ),
+        ("rewards.toy_clipscore.model", "results/toyworld/clip", "elsewhere/toyworld/clip"),
+    ),
     # 4. inputs the config names
     Case(
         "prompts-missing",
