@@ -365,9 +365,13 @@ def test_gradcheck_runs_on_tiny_backbones(family):
         "windows",
         "backward_calls",
         "trajectory",
+        "shared",
     }
     assert report["backward_calls"] == {"exact": 3, "jagg": 2, "no_interp": 2}
-    assert all(w["jagg"]["rel_err"] < 1e-10 for w in report["windows"])
+    # Shared anchors at W = 2: every step an anchor, the whole run one backward call.
+    assert report["shared"]["backward_calls"] == {"exact": 3, "jagg": 1, "no_interp": 1}
+    for layout in (report, report["shared"]):
+        assert all(w["jagg"]["rel_err"] < 1e-10 for w in layout["windows"])
     assert report["sigmas"][-2] < report["sigmas"][0] == 1.0
 
 
