@@ -2,7 +2,7 @@
 #
 # config.yaml holds the base experiment (the package's sections) and `workflow.experiments`:
 # each experiment is a target rule of this file; its runs (variant x seed) live under
-# results/<experiment>/<variant>/seed-<s>/. See README.md ("The workflow").
+# results/<experiment>/<variant>/seed-<s>/. See docs/workflow.md.
 from snakemake.utils import min_version, validate
 
 min_version("9.0")

@@ -15,7 +15,7 @@ BENCH_BACKBONES: tuple[str, ...] = ("wide-flux", "toy-flux", "toy-sd3", "toy-qwe
 
 @dataclass
 class BenchSettings:
-    """What the benchmark measures (defaults: the README's CPU table)."""
+    """What the benchmark measures (defaults: the CPU table of docs/performance.md)."""
 
     backbones: list[str] = field(default_factory=lambda: list(BENCH_BACKBONES))
     # The W x jagg_frac sweep runs on this backbone; the others get the headline cell only.

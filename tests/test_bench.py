@@ -1,4 +1,5 @@
-"""The speed benchmark's behaviour (not its figures: timings are noisy; README has those).
+"""The speed benchmark's behaviour (not its figures: timings are noisy; docs/performance.md
+has those).
 
 What it counts must be what the engines do: backward calls per window, network calls and
 reused rows, the analytic predictions, one reduce-scatter per parameter group per optimizer

@@ -1,6 +1,6 @@
-"""The workflow on a real SLURM: `snakemake --profile slurm` with the profile installed as the
-README says (`make slurm-profile`), against the one-node cluster that `.ci/slurm start` brings
-up (.ci/run does). Without a cluster these tests skip, unless CI=true: then they fail.
+"""The workflow on a real SLURM: `snakemake --profile slurm` with the profile installed as
+docs/cluster.md says (`make slurm-profile`), against the one-node cluster that `.ci/slurm start`
+brings up (.ci/run does). Without a cluster these tests skip, unless CI=true: then they fail.
 
 - the reduced `all` runs through sbatch to completion and its outputs equal the local run's;
 - a job that fails under SLURM is reported failed and snakemake exits non-zero, in bounded time;

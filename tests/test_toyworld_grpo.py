@@ -2,8 +2,8 @@
 
 The default experiment (package defaults) trains on the training captions and is evaluated on
 the held-out ones (``eval.prompts: toy:heldout``, ODE sampling, fixed seeds). The asserted rise
-is a third of the smallest rise measured (README, "The embedded toy world"), so float rounding
-on another machine or thread count cannot flip it.
+is a third of the smallest rise measured (docs/toyworld.md, "GRPO on the toy world"), so float
+rounding on another machine or thread count cannot flip it.
 """
 
 import subprocess
@@ -17,7 +17,7 @@ from jagg_pipeline.config import from_mapping
 from jagg_pipeline.loop import run_rounds
 
 ROUNDS = 10
-# Measured after 10 rounds (README, benchmarks/toyworld_curves.py, seeds 0-2): +0.064 for exact
+# Measured after 10 rounds (docs/toyworld.md, toyworld_curves.py, seeds 0-2): +0.064 for exact
 # and jagg, seed std 0.002-0.003, i.e. 3.2x this threshold and ~15 stds above it.
 MIN_RISE = 0.02
 
