@@ -765,17 +765,10 @@ def flux_rollouts(config_file: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def _sha256_file(path: Path) -> str:
-    """As the stage manifests hash a file (jagg_pipeline.manifest: 1 MiB reads)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def sha256_throughput(workdir: Path, size: int = 1 << 30) -> dict[str, float]:
     """Bytes per second hashing a ``size`` file, from the page cache and from the disk."""
+    from jagg_pipeline.manifest import file_sha256
+
     path = workdir / "sha256-probe.bin"
     chunk = os.urandom(64 << 20)
     with open(path, "wb") as handle:
@@ -785,11 +778,11 @@ def sha256_throughput(workdir: Path, size: int = 1 << 30) -> dict[str, float]:
         os.fsync(handle.fileno())
     results = {"bytes": float(size)}
     start = time.perf_counter()
-    _sha256_file(path)
+    file_sha256(path)  # as the stage manifests hash a file (uncached here)
     results["cached_bytes_per_s"] = size / (time.perf_counter() - start)
     _drop_page_cache(workdir)
     start = time.perf_counter()
-    _sha256_file(path)
+    file_sha256(path)
     results["disk_bytes_per_s"] = size / (time.perf_counter() - start)
     path.unlink()
     return results

@@ -89,10 +89,11 @@ STAGE_CODE = {
     ),
     "score": (
         "from jagg_pipeline.scoring import run_score",
-        "from jagg_pipeline.manifest import check_input\n"
+        "from jagg_pipeline.manifest import CHECKED_SECTIONS, check_input\n"
         "from jagg_pipeline.rewards import MultiReward\n"
         "from jagg_pipeline.trajectories import load_rollout\n"
-        "check_input(rollouts, stage='rollout', config=config, sections=['backbone', 'sampler'])\n"
+        "check_input(rollouts, stage='rollout', config=config, "
+        "sections=CHECKED_SECTIONS['rollout'])\n"
         "load_rollout(rollouts)\n"
         "MultiReward.from_spec(config.rewards, 'cpu')",
     ),

@@ -57,6 +57,7 @@ def run_one(args: argparse.Namespace) -> None:
 
     import torch
 
+    from jagg_pipeline.artifacts import round_name
     from jagg_pipeline.loop import run_rounds
 
     torch.set_num_threads(1)
@@ -81,7 +82,7 @@ def run_one(args: argparse.Namespace) -> None:
         with log.open("a") as f:
             f.write(json.dumps(row) + "\n")
         # Only the latest checkpoint is needed to go on.
-        previous = work / f"round-{done.round - 1:04d}"
+        previous = work / round_name(done.round - 1)
         shutil.rmtree(previous, ignore_errors=True)
 
     try:
@@ -175,12 +176,9 @@ def table(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Two panels (attribute reward, toy CLIPScore) vs round: seed mean and +-1 std band."""
-    import matplotlib
+    from jagg_pipeline.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    figure, axes = pyplot().subplots(1, 2, figsize=(11, 4), dpi=100)
     titles = {
         "toy_attributes": "held-out attribute reward",
         "toy_clipscore": "held-out toy CLIPScore",
@@ -200,8 +198,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     seeds = max(len(s["seeds"]) for s in summary.values())
     axes[0].legend(title=f"mean +- std, {seeds} seeds")
     figure.tight_layout()
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -270,6 +271,17 @@ def append_metrics(
         handle.write(line)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+# Round r of a run lives in round-<r>/, four digits so that the folders sort in round order
+# (the workflow's rules build their patterns from the prefix, its round wildcard is 4 digits).
+ROUND_PREFIX = "round-"
+ROUND_FOLDER = re.compile(rf"{ROUND_PREFIX}(\d{{4}})")
+
+
+def round_name(round_index: int) -> str:
+    """The folder name of round ``round_index`` in its run: ``round-0003``."""
+    return f"{ROUND_PREFIX}{round_index:04d}"
 
 
 # A round's kept metric lines: round-<r>/metrics/<stage>.jsonl, one file per stage of the round.

@@ -506,12 +506,7 @@ def write_outputs(report: dict[str, Any], out: str | Path) -> dict[str, Path]:
 
 def plot_speedups(report: dict[str, Any], path: Path) -> Path:
     """Speed-up of the update stage vs W, one panel per jagg_frac, measured and analytic."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jagg_pipeline.artifacts import atomic_output
+    from jagg_pipeline.plots import pyplot, save_figure
 
     sweep = next(
         (b for b in report["backbones"] if b["backbone"] == report["settings"]["sweep_backbone"]),
@@ -519,7 +514,7 @@ def plot_speedups(report: dict[str, Any], path: Path) -> Path:
     )
     rows = [r for r in sweep["cases"] if r["mode"] != "exact" and r["backward"] == "joint"]
     fracs = sorted({r["frac"] for r in rows})
-    figure, axes = plt.subplots(1, len(fracs), figsize=(4 * len(fracs), 3.6), sharey=True)
+    figure, axes = pyplot().subplots(1, len(fracs), figsize=(4 * len(fracs), 3.6), sharey=True)
     axes = axes if len(fracs) > 1 else [axes]
     styles = {
         ("jagg", False): ("tab:blue", "jagg"),
@@ -552,10 +547,7 @@ def plot_speedups(report: dict[str, Any], path: Path) -> Path:
         fontsize=9,
     )
     figure.tight_layout()
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=100)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, dpi=100)
 
 
 def format_report(report: dict[str, Any]) -> str:

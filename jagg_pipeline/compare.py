@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from jagg_pipeline.artifacts import atomic_output, atomic_write_text, make_folder
+from jagg_pipeline.artifacts import atomic_write_text, make_folder
+from jagg_pipeline.plots import pyplot, save_figure
 from jagg_pipeline.summary import (
     UPDATE_PARTS,
     RunMetrics,
@@ -38,22 +39,6 @@ NO_PROBES = (
     "No per-window cos-sim in these runs: set jagg.probe_every: K (or jagg_frac: auto) to "
     "probe every window against the exact gradient."
 )
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(figure: Any, path: Path) -> Path:
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png")
-    _pyplot().close(figure)
-    return path
 
 
 def update_seconds(runs: Sequence[RunMetrics]) -> dict[str, dict[int, float]]:
@@ -94,7 +79,7 @@ def plot_speed(
     The speed-up is of the mean over rounds; ``twins`` from :func:`exact_twins` (default: the
     variant named ``exact``).
     """
-    plt = _pyplot()
+    plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
     for variant, rounds in seconds.items():
         left.plot(list(rounds), list(rounds.values()), marker="o", markersize=3, label=variant)
@@ -120,7 +105,7 @@ def plot_speed(
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def approximation(run: RunMetrics) -> str:
@@ -157,12 +142,12 @@ def plot_cos_sims(
 
     Without probes the figure says how to get them (the report always has this plot).
     """
-    plt = _pyplot()
+    plt = pyplot()
     if not cells:
         figure, axis = plt.subplots(figsize=(8, 1.6), dpi=100)
         axis.text(0.5, 0.5, NO_PROBES, ha="center", va="center", wrap=True)
         axis.set_axis_off()
-        return _save(figure, path)
+        return save_figure(figure, path)
     figure, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.6), dpi=100)
     axes = axes if len(cells) > 1 else [axes]
     for axis, (variant, values) in zip(axes, cells.items(), strict=True):
@@ -180,7 +165,7 @@ def plot_cos_sims(
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def _html(

@@ -40,29 +40,11 @@ from jagg_pipeline.configtools import (
     to_dict,
 )
 from jagg_pipeline.errors import shown
+from jagg_pipeline.manifest import STAGE_SECTIONS
 from jagg_pipeline.prompts import PromptFileError, check_prompts
 from jagg_pipeline.sources import check_pipeline_dir
 
 WORKFLOW_KEY = "workflow"
-# The config sections (or dotted keys) each stage reads: the rules pass their digests as
-# params. Rollouts also depend on the policy they sample from, a file input of the rule.
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    # The jagg keys decide which velocities a rollout stores (rollout.velocity_steps).
-    "rollout": (
-        "backbone",
-        "sampler",
-        "train.seed",
-        "jagg.mode",
-        "jagg.window",
-        "jagg.anchors",
-        "jagg.jagg_frac",
-        "jagg.no_interp",
-        "jagg.reuse_velocities",
-    ),
-    "score": ("rewards", "advantage"),
-    "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
-    "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
-}
 # Every name that becomes a folder and a wildcard value (targets, variants, cross entries,
 # sweep labels, policies, prompt sets): one path component that no shell or glob reads
 # specially (checked with fullmatch: `$` would let a trailing newline through).
@@ -268,7 +250,9 @@ class Run:
     @property
     def evaluated_rounds(self) -> list[int]:
         """Rounds trained before each evaluation (an evaluation run: only its policy, as 0)."""
-        return [0] if self.policy is not None else evaluated_rounds(self.config)
+        if self.policy is not None:
+            return [0]
+        return evaluated_rounds(self.config.train.rounds, self.config.eval.every)
 
     @property
     def kept_rounds(self) -> list[int]:
@@ -685,9 +669,12 @@ def _input_problem(key: str, other: str, value: str, extra: str | None, root: st
     return None
 
 
-def evaluated_rounds(config: ExperimentConfig) -> list[int]:
-    """Rounds of training after which the policy is evaluated: 0 (base), every K, and the last."""
-    rounds, every = config.train.rounds, config.eval.every
+def evaluated_rounds(rounds: int, every: int) -> list[int]:
+    """After how many of ``rounds`` trained rounds the policy is evaluated.
+
+    0 (the base), every ``every`` (a run's ``eval.every``) and the last: the workflow's
+    evaluations and the in-process loop's (:func:`jagg_pipeline.loop.run_rounds`).
+    """
     return sorted({0, rounds, *range(every, rounds + 1, every)})
 
 
@@ -703,7 +690,7 @@ def kept_rounds(config: ExperimentConfig, keep_every: int | None) -> list[int]:
     if keep_every is None:
         return list(range(rounds))
     kept = {r for r in range(rounds) if (r + 1) % keep_every == 0}
-    kept |= {n - 1 for n in evaluated_rounds(config) if n > 0}
+    kept |= {n - 1 for n in evaluated_rounds(rounds, config.eval.every) if n > 0}
     return sorted(kept | {rounds - 1})
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jagg_pipeline.artifacts import keep_round_record
+from jagg_pipeline.artifacts import keep_round_record, round_name
+from jagg_pipeline.experiments import evaluated_rounds
 
 
 @dataclass
@@ -121,8 +122,10 @@ def run_rounds(
     policy = "base"
     results = []
     total = count + int(final_rollout)
+    # The rounds the workflow would evaluate, the last being the final rollout's policy if any.
+    evaluated = set(evaluated_rounds(total - 1, evaluate_every)) if evaluate_every > 0 else set()
     for round_index in range(total):
-        directory = workdir / f"round-{round_index:04d}"
+        directory = workdir / round_name(round_index)
         checkpoint = directory / "checkpoint"
         start = time.perf_counter()
         stages: dict[str, float] = {}
@@ -148,7 +151,7 @@ def run_rounds(
             time.perf_counter() - start,
             stages,
         )
-        if evaluate_every > 0 and (round_index % evaluate_every == 0 or round_index == total - 1):
+        if round_index in evaluated:
             done.evaluation = evaluate_policy(config, policy)
         results.append(done)
         if on_round is not None:

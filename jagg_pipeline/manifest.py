@@ -29,6 +29,36 @@ from jagg_pipeline.shards import METADATA_FILE
 
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.yaml"
+# The config sections (or dotted keys) each stage reads: the workflow's rules pass their
+# digests as params (experiments.stage_digest). Rollouts also depend on the policy they sample
+# from, a file input of the rule.
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    # The jagg keys decide which velocities a rollout stores (rollout.velocity_steps).
+    "rollout": (
+        "backbone",
+        "sampler",
+        "train.seed",
+        "jagg.mode",
+        "jagg.window",
+        "jagg.anchors",
+        "jagg.jagg_frac",
+        "jagg.no_interp",
+        "jagg.reuse_velocities",
+    ),
+    "score": ("rewards", "advantage"),
+    "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
+    "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
+}
+# What a consumer checks of a stage's output against its own config (check_input): the whole
+# sections the stage reads (a manifest records sections, not dotted keys); of a checkpoint only
+# the backbone its weights fit, since evaluations compare policies trained under other sections.
+CHECKED_SECTIONS: dict[str, tuple[str, ...]] = {
+    **{
+        stage: tuple(s for s in STAGE_SECTIONS[stage] if "." not in s)
+        for stage in ("rollout", "score")
+    },
+    "train": ("backbone",),
+}
 
 
 class ManifestError(InputError):
@@ -43,13 +73,18 @@ def manifest_path(output: str | Path) -> Path:
     return output.with_name(output.name + ".manifest.json")
 
 
-@functools.lru_cache(maxsize=4096)
-def _file_sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read 1 MiB at a time (no file is held in memory)."""
     h = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
 
 
 def _file_digest(path: Path) -> str:
@@ -60,7 +95,7 @@ def _file_digest(path: Path) -> str:
     three times. A rewrite changes the inode (atomic writes) or the size and mtime.
     """
     stat = path.stat()
-    return _file_sha256(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return _cached_sha256(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def digest_path(path: str | Path) -> str:

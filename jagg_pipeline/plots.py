@@ -1,17 +1,44 @@
 """Pictures people would rather look at than read: image grids with captions, loss curves.
 
-Grids use Pillow only; curves use matplotlib (headless backend), imported when drawn.
+Grids use Pillow only; curves use matplotlib (headless backend), imported when drawn. Every
+figure of the package is drawn on :func:`pyplot` and written by :func:`save_figure`. Torch and
+matplotlib are imported when used: the torch-free reports import this module.
 """
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from jagg_pipeline.artifacts import atomic_output
+
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend (jobs and CI have no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure: Any, path: str | Path, **options: Any) -> Path:
+    """Write matplotlib ``figure`` to ``path`` as a PNG, atomically, and close it.
+
+    ``options``: more keyword arguments of ``Figure.savefig`` (e.g. ``dpi``).
+    """
+    with atomic_output(path) as tmp:
+        figure.savefig(tmp, format="png", **options)
+    pyplot().close(figure)
+    return Path(path)
 
 
 def image_grid(
@@ -28,6 +55,7 @@ def image_grid(
     reduced with Lanczos. Captions wrap to the tile width; a newline starts a new line, and a
     long first paragraph (the prompt) is cut before the lines after it (the scores) are.
     """
+    import torch
     from PIL import Image, ImageDraw
 
     if images.dtype != torch.uint8 or images.dim() != 4:
@@ -82,12 +110,9 @@ def save_curves(
     log_y: bool = True,
 ) -> Path:
     """Plot each curve (raw, faint, and a running mean over ``smooth`` points) to a PNG."""
-    import matplotlib
+    import torch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    figure, axes = pyplot().subplots(figsize=(6, 3.5), dpi=100)
     for name, values in curves.items():
         series = torch.tensor(list(values), dtype=torch.float64)
         (line,) = axes.plot(series.numpy(), alpha=0.25, linewidth=0.8)
@@ -107,7 +132,4 @@ def save_curves(
     axes.legend()
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png")
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)

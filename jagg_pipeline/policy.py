@@ -27,7 +27,7 @@ import torch
 from jagg_pipeline.artifacts import BASE, policy_weights_dir
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.errors import InputError
-from jagg_pipeline.manifest import check_input
+from jagg_pipeline.manifest import CHECKED_SECTIONS, check_input
 
 
 class PolicyError(InputError):
@@ -79,7 +79,7 @@ def check_checkpoint(config: Any, checkpoint: str | Path) -> None:
             f"policy {str(checkpoint)!r}: neither {BASE!r} nor a checkpoint directory (no such "
             "directory)"
         )
-    check_input(checkpoint, stage="train", config=config, sections=["backbone"])
+    check_input(checkpoint, stage="train", config=config, sections=CHECKED_SECTIONS["train"])
 
 
 def trainable_state(backbone: Backbone) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ means, zero-std groups); ``metrics.jsonl`` (the summary's scalars as one flat li
 ``config.yaml`` and ``manifest.json`` (stage ``score``, input ``rollouts``), written last.
 Rewards score the rollout's stored uint8 images; the advantage follows the ``advantage``
 section (std mode, eps, clip) and ``rewards.normalize_separately``. The stage reads the
-``rewards`` and ``advantage`` sections (:data:`SECTIONS`): the train stage checks exactly these
-against its own config.
+``rewards`` and ``advantage`` sections (:data:`~jagg_pipeline.manifest.STAGE_SECTIONS`): the
+train stage checks exactly these against its own config.
 The folder-of-images mode of the ``score`` command lives in :mod:`jagg_pipeline.cli.score`.
 """
 
@@ -24,15 +24,13 @@ import torch
 
 from jagg_pipeline.artifacts import METRICS_NAME, append_metrics, atomic_write_json
 from jagg_pipeline.grpo import group_advantages
-from jagg_pipeline.manifest import begin_output, check_input, finish_output
+from jagg_pipeline.manifest import CHECKED_SECTIONS, begin_output, check_input, finish_output
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
 from jagg_pipeline.startup import StageClock
 from jagg_pipeline.tables import write_table
 from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
 
 STAGE = "score"
-# The config sections the score stage reads; its consumers check exactly these.
-SECTIONS = ("rewards", "advantage")
 
 
 @dataclass
@@ -137,7 +135,9 @@ def run_score(
     """
     clock = StageClock.start()
     rollouts, out = Path(rollouts), Path(out)
-    made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
+    made = check_input(
+        rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
+    )
     batch = load_rollout(rollouts)
     if device is None:
         device = config.rewards.resolve_device(config.backbone.device)

@@ -30,20 +30,22 @@ import yaml
 
 from jagg_pipeline.artifacts import (
     METRICS_NAME,
+    ROUND_FOLDER,
     ROUND_STAGES,
     atomic_output,
     atomic_write_text,
     make_folder,
+    round_name,
     round_record,
 )
 from jagg_pipeline.configtools import digest
 from jagg_pipeline.errors import InputError
+from jagg_pipeline.plots import pyplot, save_figure
 from jagg_pipeline.startup import PARTS
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
 # The stages that run as jobs, in pipeline order: the rows of the start-up table.
 JOB_STAGES = ("rollout", "score", "train", "evaluate")
-ROUND_FOLDER = re.compile(r"round-(\d{4})")
 EVAL_FOLDER = re.compile(r"trained-(\d{4})")
 
 
@@ -108,7 +110,8 @@ def _expected(directory: Path, config: Mapping[str, Any]) -> tuple[list[int], li
     from jagg_pipeline.experiments import evaluated_rounds
 
     resolved = from_dict(ExperimentConfig, config, source=str(directory / "config.yaml"))
-    return list(range(resolved.train.rounds)), evaluated_rounds(resolved)
+    rounds = resolved.train.rounds
+    return list(range(rounds)), evaluated_rounds(rounds, resolved.eval.every)
 
 
 def _missing(path: Path, what: str, directory: Path) -> InputError:
@@ -151,7 +154,7 @@ def read_run(directory: str | Path, variant: str, seed: int) -> RunMetrics:
     rounds, evaluations = _expected(directory, config)
     whole = bool(config)  # without a config, nothing says what the folder should hold
     for round_index in rounds:
-        round_dir = directory / f"round-{round_index:04d}"
+        round_dir = directory / round_name(round_index)
         if not round_dir.is_dir():
             raise _missing(round_dir, f"round {round_index}", directory)
         for stage in ROUND_STAGES:
@@ -347,14 +350,9 @@ def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
     Rounds are ticked at whole numbers. A variant of one seed has no band; when no variant
     has more than one, the legend says n=1 instead of mean +- std.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     metrics = sorted({m for s in summary.values() for m in s["curves"]})
     panels = [*metrics, "train reward"]
-    figure, grid = plt.subplots(
+    figure, grid = pyplot().subplots(
         1, len(panels), figsize=(4.5 * len(panels), 3.6), dpi=100, squeeze=False
     )
     axes = list(grid[0])
@@ -385,10 +383,7 @@ def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png")
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)
 
 
 def write_summary(

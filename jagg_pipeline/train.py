@@ -45,10 +45,14 @@ import torch
 from jagg_pipeline import checkpoint as ckpt
 from jagg_pipeline import distributed, jagg, shards
 from jagg_pipeline.errors import InputError
-from jagg_pipeline.manifest import ManifestError, check_derived_from, check_input
+from jagg_pipeline.manifest import (
+    CHECKED_SECTIONS,
+    ManifestError,
+    check_derived_from,
+    check_input,
+)
 from jagg_pipeline.objective import GRPOStepLoss
 from jagg_pipeline.optim import Ema, build_optimizer
-from jagg_pipeline.scoring import SECTIONS as SCORE_SECTIONS
 from jagg_pipeline.scoring import table_path
 from jagg_pipeline.startup import StageClock
 from jagg_pipeline.tables import read_table
@@ -135,8 +139,10 @@ def load_round_data(
 ) -> RoundData:
     """Read and cross-check a round's inputs; errors name the file that does not fit."""
     rollouts, rewards = Path(rollouts), Path(rewards)
-    made = check_input(rollouts, stage="rollout", config=config, sections=["backbone", "sampler"])
-    scored = check_input(rewards, stage="score", config=config, sections=list(SCORE_SECTIONS))
+    made = check_input(
+        rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
+    )
+    scored = check_input(rewards, stage="score", config=config, sections=CHECKED_SECTIONS["score"])
     check_derived_from(rewards, scored, "rollouts", rollouts)
     _check_policy_source(rollouts, made, policy)
     batch = RolloutReader(rollouts)

@@ -129,7 +129,8 @@ def synthetic_run(
         lines(records / "score.jsonl", {"stage": "score", **head, "total_mean": 0.3 + r + shift})
         times = {"time.forward": 1.0 + shift, "time.backward": 0.5, "time.optimizer": 0.1}
         lines(records / "train.jsonl", {"stage": "train", **head, "loss": 0.1 * r, **times})
-    for n in evaluated_rounds(from_dict(ExperimentConfig, config)):
+    resolved = from_dict(ExperimentConfig, config)
+    for n in evaluated_rounds(resolved.train.rounds, resolved.eval.every):
         evaluation = folder / f"eval/trained-{n:04d}"
         value = 0.4 + 0.01 * n + shift
         line = {"stage": "evaluate", "round": n, "step": 0, "toy": value}

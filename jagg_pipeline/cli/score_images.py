@@ -285,16 +285,13 @@ def _score_columns(reward: Any, samples: list[Sample], batch_size: int) -> dict[
     return columns
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _run_score(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline import __version__
     from jagg_pipeline.artifacts import atomic_write_json
     from jagg_pipeline.configtools import to_dict
+    from jagg_pipeline.manifest import file_sha256
     from jagg_pipeline.prompts import PromptFileError
     from jagg_pipeline.rewards import MultiReward, RewardConfigError, parse_rewards
     from jagg_pipeline.tables import WRITE_SUFFIXES, write_table
@@ -332,7 +329,7 @@ def _run_score(args: argparse.Namespace) -> int:
     text_inputs = [p for p in (args.prompts, args.manifest, args.rewards) if p is not None]
     image_digest = hashlib.sha256()
     for sample in samples:
-        image_digest.update(f"{sample.name}\0{_sha256(sample.path)}\n".encode())
+        image_digest.update(f"{sample.name}\0{file_sha256(sample.path)}\n".encode())
     manifest = {
         "command": "score",
         "version": __version__,
@@ -341,7 +338,7 @@ def _run_score(args: argparse.Namespace) -> int:
         "inputs": {
             "images": str(args.images),
             "images_sha256": image_digest.hexdigest(),
-            "files_sha256": {str(p): _sha256(p) for p in text_inputs},
+            "files_sha256": {str(p): file_sha256(p) for p in text_inputs},
         },
         "rows": len(rows),
         "table": args.out.name,

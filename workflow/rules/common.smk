@@ -1,7 +1,7 @@
 # Named helpers of the rules: the resolved runs, their paths, inputs and params.
 #
 # Every job parses this file again, so it imports only the torch-free part of the package
-# (jagg_pipeline.experiments and jagg_pipeline.config).
+# (jagg_pipeline.experiments, jagg_pipeline.config, the toy world's settings).
 import os
 import re
 import shlex
@@ -11,7 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.artifacts import ROUND_RECORDS, atomic_write_text
+from jagg_pipeline.artifacts import (
+    ROUND_PREFIX,
+    ROUND_RECORDS,
+    atomic_write_text,
+    round_name,
+)
 from jagg_pipeline.configtools import (
     ConfigError,
     apply_overrides,
@@ -27,6 +32,7 @@ from jagg_pipeline.experiments import (
     stage_digest,
     toyworld_inputs,
 )
+from jagg_pipeline.toyworld.settings import TOY_FAMILIES
 
 
 def _own_config():
@@ -67,7 +73,9 @@ PYTHON = "python" if workflow.deployment_settings.deployment_method else sys.exe
 CONTAINERS = WORKFLOW.containers
 RUN = f"{RESULTS}/{{experiment}}/{{variant}}/seed-{{seed}}"
 JOB = "{experiment}/{variant}/seed-{seed}"
-TOY_FAMILIES = ("flux", "qwenimage", "sd3")
+# A round's folder under a run, and its logs' and benchmarks' folder under a job.
+RUN_ROUND = f"{RUN}/{ROUND_PREFIX}{{round}}"
+JOB_ROUND = f"{JOB}/{ROUND_PREFIX}{{round}}"
 # On a cluster a round's rollout and score share one allocation. Train stays out: it feeds the
 # next round's rollout, and Snakemake merges connected jobs of a group, so every round of a run
 # would become one job.
@@ -166,12 +174,12 @@ EVALUATED_CHECKPOINTS = {
 
 def round_record(stage):
     """The pattern of a round's kept metric lines of ``stage`` (rollout, score, train)."""
-    return f"{RUN}/round-{{round}}/{ROUND_RECORDS}/{stage}.jsonl"
+    return f"{RUN_ROUND}/{ROUND_RECORDS}/{stage}.jsonl"
 
 
 def round_folder(run, round_index):
     """``round-<r>/`` of ``run``."""
-    return f"{run.directory}/round-{round_index:04d}"
+    return f"{run.directory}/{round_name(round_index)}"
 
 
 def kept_round(run, round_index):

@@ -6,12 +6,12 @@ rule rollout:
     input:
         unpack(rollout_inputs),
     output:
-        rollout=directory(f"{RUN}/round-{{round}}/rollout"),
+        rollout=directory(f"{RUN_ROUND}/rollout"),
         metrics=round_record("rollout"),
     log:
-        f"{LOGS}/{JOB}/round-{{round}}/rollout.log",
+        f"{LOGS}/{JOB_ROUND}/rollout.log",
     benchmark:
-        f"{BENCHMARKS}/{JOB}/round-{{round}}/rollout.tsv"
+        f"{BENCHMARKS}/{JOB_ROUND}/rollout.tsv"
     group:
         SAMPLE_GROUP
     conda:
@@ -42,5 +42,5 @@ rule rollout:
 # deleted once the round's score and train jobs are done.
 use rule rollout as rollout_transient with:
     output:
-        rollout=temp(directory(f"{RUN}/round-{{round}}/{TRANSIENT}/rollout")),
+        rollout=temp(directory(f"{RUN_ROUND}/{TRANSIENT}/rollout")),
         metrics=round_record("rollout"),

@@ -6,12 +6,12 @@ rule score:
     input:
         unpack(score_inputs),
     output:
-        scores=directory(f"{RUN}/round-{{round}}/scores"),
+        scores=directory(f"{RUN_ROUND}/scores"),
         metrics=round_record("score"),
     log:
-        f"{LOGS}/{JOB}/round-{{round}}/score.log",
+        f"{LOGS}/{JOB_ROUND}/score.log",
     benchmark:
-        f"{BENCHMARKS}/{JOB}/round-{{round}}/score.tsv"
+        f"{BENCHMARKS}/{JOB_ROUND}/score.tsv"
     group:
         SAMPLE_GROUP
     conda:

@@ -6,12 +6,12 @@ rule train:
     input:
         unpack(train_inputs),
     output:
-        checkpoint=directory(f"{RUN}/round-{{round}}/checkpoint"),
+        checkpoint=directory(f"{RUN_ROUND}/checkpoint"),
         metrics=round_record("train"),
     log:
-        f"{LOGS}/{JOB}/round-{{round}}/train.log",
+        f"{LOGS}/{JOB_ROUND}/train.log",
     benchmark:
-        f"{BENCHMARKS}/{JOB}/round-{{round}}/train.tsv"
+        f"{BENCHMARKS}/{JOB_ROUND}/train.tsv"
     conda:
         "../../envs/pipeline.yaml"
     container:
@@ -48,5 +48,5 @@ rule train:
 # checkpoint is deleted once the next round's rollout and training are done.
 use rule train as train_transient with:
     output:
-        checkpoint=temp(directory(f"{RUN}/round-{{round}}/{TRANSIENT}/checkpoint")),
+        checkpoint=temp(directory(f"{RUN_ROUND}/{TRANSIENT}/checkpoint")),
         metrics=round_record("train"),
