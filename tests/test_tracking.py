@@ -30,7 +30,7 @@ import pytest
 import yaml
 from workflow_helpers import REDUCED, snakemake, synthetic_run, write_config
 
-from jagg_pipeline.summary import read_run
+from jagg_pipeline.summary import RunMetrics, read_run
 from jagg_pipeline.tracking import PARENT_TAG, flat_params, metric_points, run_key
 
 VARIANTS = ("exact", "jagg")
@@ -130,6 +130,39 @@ def read_back(uri: str, name: str = "jagg-test") -> dict:
 
         found[run.info.run_name] = (run.info, run.data.params, run.data.tags, points, artifacts())
     return found
+
+
+def test_only_measurements_become_metrics_not_the_structure_of_a_line():
+    """A train line's window and probe structure (indices, step lists, intervals, sigmas) is
+    flattened into keys like the measurements beside it; only the measurements are logged."""
+    from jagg_pipeline.artifacts import metrics_record
+
+    line = metrics_record(
+        "train",
+        0,
+        0,
+        {
+            "loss": 0.5,
+            "windows": [{"window": 0, "steps": [3, 4, 5], "backward_calls": 2}],
+            "probe": [
+                {
+                    "index": 1,
+                    "steps": [4, 5, 6],
+                    "interval": [3, 4, 5, 6],
+                    "sigma_start": 0.9,
+                    "sigma_end": 0.7,
+                    "jagg": {"cos_sim": 0.98, "rel_err": 0.2},
+                }
+            ],
+        },
+    )
+    keys = {key for key, _, _ in metric_points(RunMetrics("jagg", 0, [line]))}
+    assert keys == {
+        "train/loss",
+        "train/windows.0.backward_calls",
+        "train/probe.0.jagg.cos_sim",
+        "train/probe.0.jagg.rel_err",
+    }
 
 
 @pytest.mark.parametrize("store", ["server", "local"])

@@ -51,7 +51,7 @@ SUMMED = re.compile(
 # Flattened structure, not measurements.
 SKIPPED = re.compile(
     r"^(global_step|skipped_steps|windows\.\d+\.(window|steps\.\d+)"
-    r"|probe\.\d+\.(index|steps\.\d+|sigma_start|sigma_end))$"
+    r"|probe\.\d+\.(index|steps\.\d+|interval\.\d+|sigma_start|sigma_end))$"
 )
 Point = tuple[str, float, int]
 
