@@ -120,7 +120,7 @@ def analytic_rows(case: Case, steps: Sequence[int]) -> tuple[int, int]:
     for unit in units:
         chunks = [windows[w] for w in unit]
         n = sum(len(c) for c in chunks)
-        anchors = len({k for iv in jagg.layout_intervals(chunks) for k in (iv[0], iv[-1])})
+        anchors = len(jagg.layout_anchors(jagg.layout_intervals(chunks)))
         grad_rows += anchors
         if not (case.reuse or case.mode == "no_interp"):
             interior += n - anchors

@@ -179,6 +179,11 @@ def layout_intervals(windows: Sequence[Sequence[int]]) -> list[list[int]]:
     return windows[:1] + [[before[-1], *w] for before, w in itertools.pairwise(windows)]
 
 
+def layout_anchors(intervals: Sequence[Sequence[int]]) -> list[int]:
+    """The anchors of a unit's intervals, in order: each interval's two ends, shared ones once."""
+    return list(dict.fromkeys(k for interval in intervals for k in (interval[0], interval[-1])))
+
+
 def anchor_layout(
     sigmas: torch.Tensor,
     windows: Sequence[Sequence[int]],
@@ -196,11 +201,9 @@ def anchor_layout(
     if mode not in ("jagg", "no_interp"):
         raise ValueError(f"an anchor layout approximates 'jagg' or 'no_interp', got {mode!r}")
     intervals = layout_intervals(windows)
-    anchors: list[int] = []
     coefficients: dict[int, dict[int, float]] = {}
     for i, interval in enumerate(intervals):
         first, last = interval[0], interval[-1]
-        anchors.extend(a for a in dict.fromkeys((first, last)) if a not in anchors)
         if len(interval) == 1:
             coefficients[first] = {first: 1.0}
             continue
@@ -208,7 +211,7 @@ def anchor_layout(
         for j, (k, (w_first, w_last)) in enumerate(zip(interval, pairs, strict=True)):
             if i == 0 or j > 0:  # a shared first anchor is owned by the interval before
                 coefficients[k] = {first: w_first, last: w_last}
-    return AnchorLayout(anchors, intervals, coefficients)
+    return AnchorLayout(layout_anchors(intervals), intervals, coefficients)
 
 
 # The on-policy check: stored velocities are trusted while the recomputed endpoints agree with
