@@ -22,12 +22,13 @@ import argparse
 
 import torch
 
-from jagg_pipeline import distributed, jagg
-from jagg_pipeline.bench import load_bench_backbone
-from jagg_pipeline.bench_settings import BENCH_BACKBONES
-from jagg_pipeline.gradcheck import build_problem
-from jagg_pipeline.gradcheck_settings import GradcheckSettings
-from jagg_pipeline.objective import GRPOStepLoss
+from jagg_pipeline.bench.config import BENCH_BACKBONES
+from jagg_pipeline.bench.gradcheck import build_problem
+from jagg_pipeline.bench.gradcheck_config import GradcheckSettings
+from jagg_pipeline.bench.measure import load_bench_backbone
+from jagg_pipeline.core import jagg
+from jagg_pipeline.core.objective import GRPOStepLoss
+from jagg_pipeline.stages import distributed
 
 
 def adam_first_update(grad: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ Three parts, printed as tables and written as one JSON file (``--out``):
      gathered to rank 0's CPU (``full_state_dict``, ``cpu_offload``) and written there with
      safetensors; loaded back by rank 0 reading both files and broadcasting
      (``broadcast_from_rank0``);
-   - ``sharded`` (now): :func:`jagg_pipeline.shards.save` of
-     :func:`~jagg_pipeline.distributed.model_state_dict` and
-     :func:`~jagg_pipeline.distributed.optimizer_state_dict` by every rank; loaded back into
-     fresh sharded templates as the train stage resumes (:func:`jagg_pipeline.policy.load_weights`,
-     :func:`jagg_pipeline.shards.load`, ``distributed.load_*``).
+   - ``sharded`` (now): :func:`jagg_pipeline.io.shards.save` of
+     :func:`~jagg_pipeline.stages.distributed.model_state_dict` and
+     :func:`~jagg_pipeline.stages.distributed.optimizer_state_dict` by every rank; loaded back into
+     fresh sharded templates as the train stage resumes
+     (:func:`jagg_pipeline.stages.policy.load_weights`,
+     :func:`jagg_pipeline.io.shards.load`, ``distributed.load_*``).
 
    Per variant and rank: seconds (barrier to barrier), bytes on disk, the rank's shard (its
    local parameters + optimizer state), and the peak RSS during save and load, absolute and
@@ -28,8 +29,9 @@ Three parts, printed as tables and written as one JSON file (``--out``):
    cache before loading (``posix_fadvise``), so loads read the disk.
 
 2. **Rollout bytes per sample**, before (every trained step stored a velocity) and now
-   (:func:`jagg_pipeline.rollout.velocity_steps`, in
-   :func:`~jagg_pipeline.rollout.compute_dtype`), for the toy world's default config (measured
+   (:func:`jagg_pipeline.stages.rollout.velocity_steps`, in
+   :func:`~jagg_pipeline.stages.rollout.compute_dtype`), for the toy world's default config
+   (measured
    on a real rollout of the toy SD3 pipeline with random weights, checked against the count
    from shapes), for Flux.1-dev at 1024 px (counted from its shapes: 28 steps, all SDE, 16
    trained, as DanceGRPO) and for the project's presets as written (``--presets``).
@@ -147,7 +149,7 @@ def build_sharded(kwargs: dict[str, Any], mesh: Any) -> nn.Module:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from jagg_pipeline.shards import local_tensor
+    from jagg_pipeline.io.shards import local_tensor
 
     return local_tensor(tensor)
 
@@ -173,7 +175,7 @@ def blank_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """NaN weights and the optimizer's state created (zero moments): a fresh load target."""
     import torch
 
-    from jagg_pipeline import distributed
+    from jagg_pipeline.stages import distributed
 
     with torch.no_grad():
         for param in model.parameters():
@@ -383,7 +385,8 @@ def sharded_save(
     model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, lap: Laps
 ) -> None:
     """Every rank writes its shards (``checkpoint.write_checkpoint``'s tensor part)."""
-    from jagg_pipeline import distributed, shards
+    from jagg_pipeline.io import shards
+    from jagg_pipeline.stages import distributed
 
     shards.save(distributed.model_state_dict(model), folder / "policy")
     lap("weights")
@@ -395,8 +398,9 @@ def sharded_load(
     model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, lap: Laps
 ) -> None:
     """Every rank reads its shards back, as the train stage resumes from a checkpoint."""
-    from jagg_pipeline import distributed, shards
-    from jagg_pipeline.policy import load_weights
+    from jagg_pipeline.io import shards
+    from jagg_pipeline.stages import distributed
+    from jagg_pipeline.stages.policy import load_weights
 
     weights = distributed.model_state_dict(model)
     load_weights(weights, folder / "policy", collective=True)
@@ -420,7 +424,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of one operation (``--worker VARIANT-PHASE``), under torchrun."""
     import torch
 
-    from jagg_pipeline import distributed
+    from jagg_pipeline.stages import distributed
 
     torch.set_num_threads(1)
     variant, phase = args.worker.split("-")
@@ -628,23 +632,23 @@ def _dtype_name(dtype: Any) -> str:
 
 def base_config_data(path: Path) -> dict[str, Any]:
     """The base experiment sections of a workflow config file (``config.yaml``)."""
-    from jagg_pipeline.configtools import read_yaml
-    from jagg_pipeline.experiments import split
+    from jagg_pipeline.config.tools import read_yaml
+    from jagg_pipeline.workflow.experiments import split
 
     return split(read_yaml(path))[0]
 
 
 def config_with(base: dict[str, Any], overrides: Sequence[str]) -> Any:
     """An ExperimentConfig of ``base`` with ``key=value`` overrides, validated."""
-    from jagg_pipeline.config import from_mapping
-    from jagg_pipeline.configtools import apply_overrides
+    from jagg_pipeline.config.run import from_mapping
+    from jagg_pipeline.config.tools import apply_overrides
 
     return from_mapping(apply_overrides(base, list(overrides)))
 
 
 def _velocity_row(config: Any, layout: SampleLayout, name: str) -> dict[str, Any]:
     """Before/now bytes per sample of one setting (velocity steps from the real functions)."""
-    from jagg_pipeline.rollout import compute_dtype, derive_seed, step_masks, velocity_steps
+    from jagg_pipeline.stages.rollout import compute_dtype, derive_seed, step_masks, velocity_steps
 
     masks = step_masks(config.sampler, derive_seed(config.train.seed, "steps", 0))
     trained = masks.trained_indices
@@ -670,9 +674,9 @@ def toy_rollouts(config_file: Path, workdir: Path) -> dict[str, Any]:
     from diffusers.utils import logging as diffusers_logging
 
     from jagg_pipeline.backbones import load_backbone
-    from jagg_pipeline.bench import save_bench_backbone
-    from jagg_pipeline.prompts import resolve_prompts
-    from jagg_pipeline.rollout import plan_rollout, sample_batches
+    from jagg_pipeline.bench.measure import save_bench_backbone
+    from jagg_pipeline.io.prompts import resolve_prompts
+    from jagg_pipeline.stages.rollout import plan_rollout, sample_batches
 
     torch.set_num_threads(1)
     diffusers_logging.disable_progress_bar()
@@ -767,7 +771,7 @@ def flux_rollouts(config_file: Path) -> dict[str, Any]:
 
 def sha256_throughput(workdir: Path, size: int = 1 << 30) -> dict[str, float]:
     """Bytes per second hashing a ``size`` file, from the page cache and from the disk."""
-    from jagg_pipeline.manifest import file_sha256
+    from jagg_pipeline.io.manifest import file_sha256
 
     path = workdir / "sha256-probe.bin"
     chunk = os.urandom(64 << 20)
@@ -841,7 +845,7 @@ TRAINED_STEPS = 16
 
 def keep_plan(config: Any, keep_every: int | None) -> dict[str, Any]:
     """Rounds ``workflow.keep_every`` keeps and the most checkpoints (rollouts) on disk at once."""
-    from jagg_pipeline.experiments import kept_rounds
+    from jagg_pipeline.workflow.experiments import kept_rounds
 
     rounds = config.train.rounds
     kept = kept_rounds(config, keep_every)
@@ -866,8 +870,8 @@ FAMILY_MODELS = {"flux": "Flux.1-dev", "qwenimage": "QwenImage", "sd3": "SD3.5-m
 
 def preset_rows(folder: Path) -> list[dict[str, Any]]:
     """The project's presets as written: rollout bytes before/now, checkpoint, kept rounds."""
-    from jagg_pipeline.configtools import read_yaml
-    from jagg_pipeline.experiments import split
+    from jagg_pipeline.config.tools import read_yaml
+    from jagg_pipeline.workflow.experiments import split
 
     rows = []
     for path in sorted(folder.glob("*.yaml")):

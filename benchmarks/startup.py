@@ -9,10 +9,10 @@ both see the same machine load; every number is the median of ``--repeat`` fresh
   imports are in, config read) and load (what the stage loads before its work: the rollout's
   and evaluation's base policy, the score stage's rollout and rewards, the train stage's
   rollout, score table and policy), run the same way in either tree, after the tree's own
-  command set-up (``jagg_pipeline.startup.start_command``, where it has one);
+  command set-up (``jagg_pipeline.support.startup.start_command``, where it has one);
 - each stage as its real command on the toy world (``--world``; the default experiment, 8
   evaluation prompts): the job's wall seconds, and the import / load / work seconds that the
-  job records in its metrics line (:mod:`jagg_pipeline.startup`, trees that have it);
+  job records in its metrics line (:mod:`jagg_pipeline.support.startup`, trees that have it);
 - given a finished workflow run (``--results``), each stage's median job wall time from
   Snakemake's benchmark files beside the medians its metrics lines recorded.
 
@@ -53,13 +53,13 @@ import jagg_pipeline
 # The tree's command set-up, where it has one (an editable install would find the installed
 # tree's module for a tree without).
 if (Path(jagg_pipeline.__file__).parent / "startup.py").is_file():
-    from jagg_pipeline.startup import start_command
+    from jagg_pipeline.support.startup import start_command
 
     start_command()
 
 
 def age():
-    # Seconds since this process started, as jagg_pipeline.startup measures them.
+    # Seconds since this process started, as jagg_pipeline.support.startup measures them.
     with open("/proc/self/stat", "rb") as handle:
         ticks = int(handle.read().rsplit(b")", 1)[1].split()[19])
     return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
@@ -80,34 +80,34 @@ print(json.dumps({{"import": imported, "load": time.perf_counter() - start}}))
 # What each stage's handler imports, then what the stage loads before its work.
 STAGE_CODE = {
     "rollout": (
-        "from jagg_pipeline.rollout import run_rollout",
-        "from jagg_pipeline.distributed import distributed\n"
-        "from jagg_pipeline.policy import load_policy\n"
-        "from jagg_pipeline.prompts import resolve_prompts\n"
+        "from jagg_pipeline.stages.rollout import run_rollout",
+        "from jagg_pipeline.stages.distributed import distributed\n"
+        "from jagg_pipeline.stages.policy import load_policy\n"
+        "from jagg_pipeline.io.prompts import resolve_prompts\n"
         "resolve_prompts(config.sampler.prompts, config.sampler.prompt_column)\n"
         "load_policy(config, 'base')",
     ),
     "score": (
-        "from jagg_pipeline.scoring import run_score",
-        "from jagg_pipeline.manifest import CHECKED_SECTIONS, check_input\n"
+        "from jagg_pipeline.stages.scoring import run_score",
+        "from jagg_pipeline.io.manifest import CHECKED_SECTIONS, check_input\n"
         "from jagg_pipeline.rewards import MultiReward\n"
-        "from jagg_pipeline.trajectories import load_rollout\n"
+        "from jagg_pipeline.io.trajectories import load_rollout\n"
         "check_input(rollouts, stage='rollout', config=config, "
         "sections=CHECKED_SECTIONS['rollout'])\n"
         "load_rollout(rollouts)\n"
         "MultiReward.from_spec(config.rewards, 'cpu')",
     ),
     "train": (
-        "from jagg_pipeline.train import train_round",
-        "from jagg_pipeline.policy import load_policy\n"
-        "from jagg_pipeline.train import load_round_data\n"
+        "from jagg_pipeline.stages.train import train_round",
+        "from jagg_pipeline.stages.policy import load_policy\n"
+        "from jagg_pipeline.stages.train import load_round_data\n"
         "load_round_data(config, 'base', rollouts, scores)\n"
         "load_policy(config, 'base', for_training=True)",
     ),
     "evaluate": (
-        "from jagg_pipeline.evaluate import run_evaluate",
-        "from jagg_pipeline.distributed import local_device\n"
-        "from jagg_pipeline.policy import load_policy\n"
+        "from jagg_pipeline.stages.evaluate import run_evaluate",
+        "from jagg_pipeline.stages.distributed import local_device\n"
+        "from jagg_pipeline.stages.policy import load_policy\n"
         "from jagg_pipeline.rewards import load_reward\n"
         "load_policy(config, 'base')\n"
         "[load_reward(name, config.rewards.spec(name), 'cpu') for name in config.eval.metrics]",
@@ -206,7 +206,7 @@ def job_seconds(results: Path, stage: str) -> float | None:
 
 def workflow_table(results: Path) -> str:
     """Per stage of a finished workflow run: Snakemake's job wall beside the recorded split."""
-    from jagg_pipeline.summary import read_run, stage_seconds
+    from jagg_pipeline.reports.summary import read_run, stage_seconds
 
     runs = [
         read_run(folder, folder.parent.name, int(folder.name.removeprefix("seed-")))
@@ -236,7 +236,7 @@ def main() -> None:
     names = list(trees)
     repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="startup-") as scratch:
-        from jagg_pipeline.toyworld.settings import experiment_sections
+        from jagg_pipeline.toyworld.config import experiment_sections
 
         config = Path(scratch) / "experiment.yaml"
         data = experiment_sections(args.world.resolve()) | {"eval": {"max_prompts": 8}}

@@ -1,7 +1,7 @@
 """Learning curves of GRPO on the toy world: held-out reward vs round, per gradient mode.
 
 Runs every (variant, seed) of the default experiment in its own process (``--workers`` at a
-time, one torch thread each) through :func:`jagg_pipeline.loop.run_rounds`, evaluating the
+time, one torch thread each) through :func:`jagg_pipeline.stages.loop.run_rounds`, evaluating the
 held-out prompts (``eval`` section) every ``--every`` rounds. Each run appends one JSON line
 per round to ``OUT/<variant>/seed-<s>/rounds.jsonl`` and writes ``done.json`` last, so an
 interrupted benchmark resumes where it stopped. Then it writes ``OUT/curves.json`` (every
@@ -41,8 +41,8 @@ METRICS = ("toy_attributes", "toy_clipscore")
 
 def experiment(world: Path, variant: str, seed: int, rounds: int | None) -> Any:
     """The default config pointed at ``world``, with ``variant``'s jagg section and ``seed``."""
-    from jagg_pipeline.config import from_mapping
-    from jagg_pipeline.toyworld.settings import experiment_sections
+    from jagg_pipeline.config.run import from_mapping
+    from jagg_pipeline.toyworld.config import experiment_sections
 
     train: dict[str, Any] = {"seed": seed}
     if rounds is not None:
@@ -57,8 +57,8 @@ def run_one(args: argparse.Namespace) -> None:
 
     import torch
 
-    from jagg_pipeline.artifacts import round_name
-    from jagg_pipeline.loop import run_rounds
+    from jagg_pipeline.io.artifacts import round_name
+    from jagg_pipeline.stages.loop import run_rounds
 
     torch.set_num_threads(1)
     config = experiment(args.world, args.variant, args.seed, args.rounds)
@@ -176,7 +176,7 @@ def table(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Two panels (attribute reward, toy CLIPScore) vs round: seed mean and +-1 std band."""
-    from jagg_pipeline.plots import pyplot, save_figure
+    from jagg_pipeline.io.figures import pyplot, save_figure
 
     figure, axes = pyplot().subplots(1, 2, figsize=(11, 4), dpi=100)
     titles = {

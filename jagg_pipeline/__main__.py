@@ -1,6 +1,6 @@
 """``python -m jagg_pipeline``: the command line, one command per process."""
 
-from jagg_pipeline import startup
+from jagg_pipeline.support import startup
 
 # First: the start-up is measured from here where /proc cannot say, and collected less often.
 startup.start_command()

@@ -39,7 +39,7 @@ def float64():
 def toy_world(tmp_path_factory):
     """(directory, report) of the default toy world, built once per test session."""
     from jagg_pipeline.toyworld.build import build_toyworld
-    from jagg_pipeline.toyworld.settings import BuildSettings
+    from jagg_pipeline.toyworld.config import BuildSettings
 
     out = tmp_path_factory.mktemp("toy-world")
     return out, build_toyworld(out, BuildSettings(), progress=False)
@@ -47,7 +47,7 @@ def toy_world(tmp_path_factory):
 
 def toy_experiment(world, **sections):
     """The default experiment pointed at a built toy world; ``sections`` update it."""
-    from jagg_pipeline.toyworld.settings import experiment_sections
+    from jagg_pipeline.toyworld.config import experiment_sections
 
     out, _ = world
     data = experiment_sections(out)

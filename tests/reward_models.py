@@ -103,8 +103,8 @@ def _build_open_clip(root: Path) -> tuple[Path, Path, Path]:
 def _build_hf_clip(root: Path) -> Path:
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from jagg_pipeline.backbones.tiny import clip_tokenizer
     from jagg_pipeline.rewards.clip import HFClip
+    from jagg_pipeline.toyworld.tiny import clip_tokenizer
 
     tokenizer = clip_tokenizer()
     vocab = tokenizer.get_vocab()

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from jagg_pipeline.backbones.tiny import TINY_IMAGE_SIZE, save_tiny_pipeline
-from jagg_pipeline.config import ExperimentConfig, load_config
+from jagg_pipeline.config.run import ExperimentConfig, load_config
+from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE, save_tiny_pipeline
 
 EVAL_PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
 # Prompts of very different token counts: QwenImage pads its text per encoding call, so these

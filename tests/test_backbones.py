@@ -12,23 +12,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jagg_pipeline import jagg, sde
 from jagg_pipeline.backbones import (
     BackboneLoadError,
     BackboneSpec,
     LoraSettings,
     load_backbone,
 )
-from jagg_pipeline.backbones.tiny import (
+from jagg_pipeline.bench.gradcheck import GradcheckSettings, run_gradcheck
+from jagg_pipeline.cli import main
+from jagg_pipeline.core import jagg, sde
+from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
+from jagg_pipeline.toyworld.tiny import (
     TINY_FAMILIES,
     TINY_IMAGE_SIZE,
     build_tiny_pipeline,
     qwen2_tokenizer,
     toy_captions,
 )
-from jagg_pipeline.cli import main
-from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
-from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
 
 PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
 STEPS = 4
@@ -443,7 +443,7 @@ def test_lora_dropout_is_refused_naming_the_key_and_the_reason():
 def test_bf16_compute_equals_fsdp2_mixed_precision(checkpoints, family):
     """Rollout and evaluation under mixed_precision bf16 compute what training computes under
     FSDP2's bf16 policy: bit for bit, so the on-policy ratio is 1."""
-    from jagg_pipeline import distributed
+    from jagg_pipeline.stages import distributed
 
     sampler, trainer = load(checkpoints, family), load(checkpoints, family)
     traj, cond, _, _, _ = rollout(sampler)

@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from jagg_pipeline.bench import (
+from jagg_pipeline.bench.config import BenchSettings
+from jagg_pipeline.bench.measure import (
     Case,
     analytic_rows,
     format_report,
@@ -21,7 +22,6 @@ from jagg_pipeline.bench import (
     run_bench,
     write_outputs,
 )
-from jagg_pipeline.bench_settings import BenchSettings
 
 STEPS = list(range(8))
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
-from jagg_pipeline.config import (
+from jagg_pipeline.config.run import (
     REWARD_NAMES,
     BackboneDtype,
     BackboneFamily,
@@ -20,13 +20,13 @@ from jagg_pipeline.config import (
     load_config,
     schema,
 )
-from jagg_pipeline.configtools import ConfigError, digest, from_dict, to_dict
+from jagg_pipeline.config.tools import ConfigError, digest, from_dict, to_dict
 
 
 def test_importing_the_config_imports_no_heavy_library():
     """Every Snakemake job parses the config at start-up: no torch, diffusers, transformers."""
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import jagg_pipeline.config"],
+        [sys.executable, "-X", "importtime", "-c", "import jagg_pipeline.config.run"],
         capture_output=True,
         text=True,
         check=True,
@@ -37,7 +37,7 @@ def test_importing_the_config_imports_no_heavy_library():
         for line in result.stderr.splitlines()
         if line.startswith("import time:")
     }
-    assert "jagg_pipeline.config" in modules
+    assert "jagg_pipeline.config.run" in modules
     tops = {name.split(".")[0] for name in modules}
     assert not tops & {"torch", "diffusers", "transformers", "numpy"}, sorted(tops)
 
@@ -221,7 +221,7 @@ def test_config_cli_shows_resolved_yaml_and_schema(tmp_path, capsys):
 
 
 def test_gradcheck_counts_the_backward_calls_of_the_default_training_step():
-    from jagg_pipeline.config import JaggConfig
-    from jagg_pipeline.gradcheck_settings import GradcheckSettings
+    from jagg_pipeline.bench.gradcheck_config import GradcheckSettings
+    from jagg_pipeline.config.run import JaggConfig
 
     assert GradcheckSettings().endpoint_backward == JaggConfig().endpoint_backward

@@ -1,7 +1,7 @@
 """Every bad value is refused when the config is loaded, naming its key (issue: reliability).
 
 A table of distinct bad configs, each a YAML snippet over the defaults, each refused by
-:func:`jagg_pipeline.config.load_config` with a message that names the file and the dotted
+:func:`jagg_pipeline.config.run.load_config` with a message that names the file and the dotted
 key; and the command line refuses one in well under 5 s (the loader imports no torch).
 """
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jagg_pipeline.config import ConfigError, load_config
+from jagg_pipeline.config.run import ConfigError, load_config
 
 # name -> (YAML over the defaults, the key the message must name, what it must say)
 BAD = {

@@ -5,7 +5,7 @@ from typing import Literal
 import jsonschema
 import pytest
 
-from jagg_pipeline.configtools import (
+from jagg_pipeline.config.tools import (
     ConfigError,
     apply_overrides,
     check_bounds,

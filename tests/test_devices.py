@@ -18,10 +18,10 @@ import pytest
 import torch
 from workflow_helpers import REDUCED, ROOT, snakemake, write_config
 
-from jagg_pipeline import evaluate as evaluate_module
-from jagg_pipeline import scoring
 from jagg_pipeline.cli import main
-from jagg_pipeline.config import from_mapping
+from jagg_pipeline.config.run import from_mapping
+from jagg_pipeline.stages import evaluate as evaluate_module
+from jagg_pipeline.stages import scoring
 
 MODEL_RULES = ("rollout", "score", "train", "evaluate")
 SLURM_PROFILE = str(ROOT / "workflow/profiles/slurm")

@@ -22,7 +22,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     write_config,
 )
 
-from jagg_pipeline.checkpoint import read_ema_state, read_optimizer_state, read_trainer_state
+from jagg_pipeline.stages.checkpoint import read_ema_state, read_optimizer_state, read_trainer_state
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from workflow_helpers import ROOT
 
-from jagg_pipeline.experiments import Containers
+from jagg_pipeline.workflow.experiments import Containers
 
 RULE = re.compile(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", re.MULTILINE)
 DIRECTIVE = r"^    {name}:\n\s+(.+)$"

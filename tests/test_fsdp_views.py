@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from train_helpers import REPO, launcher, subprocess_env
 
-from jagg_pipeline import distributed
 from jagg_pipeline.backbones import Backbone, load_backbone
-from jagg_pipeline.bench import save_bench_backbone
-from jagg_pipeline.config import BackboneSpec
+from jagg_pipeline.bench.measure import save_bench_backbone
+from jagg_pipeline.config.run import BackboneSpec
+from jagg_pipeline.stages import distributed
 from jagg_pipeline.toyworld.models import toy_backbone_options
 
 FAMILIES = ("flux", "qwenimage")

@@ -13,7 +13,7 @@ import torch
 from stage_helpers import tiny_checkpoint, write_prompts
 from train_helpers import launcher, max_difference, policy_weights, subprocess_env
 
-from jagg_pipeline.backbones.tiny import TINY_FAMILIES
+from jagg_pipeline.toyworld.tiny import TINY_FAMILIES
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def gpu_config(family: str, tmp_path, precision: str, **sections):
     """The tiny stage experiment of ``family`` on CUDA in ``precision``; sections update it."""
     from stage_helpers import experiment
 
-    from jagg_pipeline.config import from_mapping
+    from jagg_pipeline.config.run import from_mapping
 
     checkpoint = tiny_checkpoint(family, tmp_path)
     prompts = write_prompts(tmp_path / "prompts.txt")
@@ -53,9 +53,9 @@ def gpu_config(family: str, tmp_path, precision: str, **sections):
 
 def run_round(config, tmp_path):
     """Rollout, score, train on CUDA; returns (rollouts, scores, the train result)."""
-    from jagg_pipeline.rollout import run_rollout
-    from jagg_pipeline.scoring import run_score
-    from jagg_pipeline.train import train_round
+    from jagg_pipeline.stages.rollout import run_rollout
+    from jagg_pipeline.stages.scoring import run_score
+    from jagg_pipeline.stages.train import train_round
 
     rollouts, scores = tmp_path / "rollout", tmp_path / "scores"
     run_rollout(config, "base", config.sampler.prompts, rollouts, progress=False)
@@ -69,7 +69,7 @@ def run_round(config, tmp_path):
 def test_rollout_train_evaluate_on_cuda_stay_on_policy(family, precision, tmp_path):
     """The first optimizer step is on-policy on GPU kernels: ratio 1 within a hundredth of
     the clip range, the rollout's velocities pass the check and are reused."""
-    from jagg_pipeline.evaluate import run_evaluate
+    from jagg_pipeline.stages.evaluate import run_evaluate
 
     config = gpu_config(family, tmp_path, precision)
     _, _, result = run_round(config, tmp_path)
@@ -110,8 +110,8 @@ def test_fsdp2_over_nccl_on_every_gpu_equals_one_process(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_reused_velocities_equal_recomputed_ones_on_cuda(dtype):
     """The rollout's velocities are what the GPU recomputes at unchanged weights."""
-    from jagg_pipeline.bench import load_bench_backbone
-    from jagg_pipeline.gradcheck import GradcheckSettings, build_problem
+    from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+    from jagg_pipeline.bench.measure import load_bench_backbone
 
     settings = GradcheckSettings(
         backbone="tiny-flux", trajectory="sde", dtype=dtype, num_steps=9, batch=4, window=4
@@ -131,8 +131,8 @@ def test_reused_velocities_equal_recomputed_ones_on_cuda(dtype):
 
 def test_sequential_endpoint_backward_peaks_at_exact_memory_on_cuda():
     """torch.cuda.max_memory_allocated above the idle state, one update per mode, W = 4."""
-    from jagg_pipeline.bench import Bench, Case, load_bench_backbone
-    from jagg_pipeline.bench_settings import BenchSettings
+    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.measure import Bench, Case, load_bench_backbone
 
     settings = BenchSettings(device="cuda", batch=8, num_steps=13, window=4)
     bench = Bench(load_bench_backbone("wide-flux", "cuda"), settings)
@@ -151,8 +151,8 @@ def test_sequential_endpoint_backward_peaks_at_exact_memory_on_cuda():
 
 
 def test_bench_runs_on_cuda(tmp_path):
-    from jagg_pipeline.bench import format_report, run_bench, write_outputs
-    from jagg_pipeline.bench_settings import BenchSettings
+    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
 
     settings = BenchSettings(
         backbones=["toy-flux"],

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from jagg_pipeline import grpo
+from jagg_pipeline.core import grpo
 
 
 def test_group_advantages_match_a_brute_force_loop():

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, write_config
 
-from jagg_pipeline.configtools import ConfigError, read_yaml
-from jagg_pipeline.experiments import merge, resolve_runs
+from jagg_pipeline.config.tools import ConfigError, read_yaml
+from jagg_pipeline.workflow.experiments import merge, resolve_runs
 
 # The files a hostile value aims at, relative to a case's folder (the work folder is work/).
 PWNED = "pwned"
@@ -522,11 +522,11 @@ def test_spaces_in_the_results_folder_and_the_interpreter_path_work(tmp_path):
 
 
 def test_evaluate_reads_its_prompts_before_loading_a_model(tmp_path, monkeypatch):
-    from jagg_pipeline import policy
-    from jagg_pipeline.config import ExperimentConfig
-    from jagg_pipeline.configtools import from_dict
-    from jagg_pipeline.evaluate import run_evaluate
-    from jagg_pipeline.prompts import PromptFileError
+    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.tools import from_dict
+    from jagg_pipeline.io.prompts import PromptFileError
+    from jagg_pipeline.stages import policy
+    from jagg_pipeline.stages.evaluate import run_evaluate
 
     def load_policy(*args, **kwargs):
         raise AssertionError("the model was loaded before the prompts were read")

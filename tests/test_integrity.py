@@ -23,11 +23,11 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     write_config,
 )
 
-from jagg_pipeline.manifest import ManifestError, digest_path, manifest_path, read_manifest
-from jagg_pipeline.rollout import run_rollout
-from jagg_pipeline.scoring import run_score, table_path
-from jagg_pipeline.tables import read_table, write_table
-from jagg_pipeline.train import train_round
+from jagg_pipeline.io.manifest import ManifestError, digest_path, manifest_path, read_manifest
+from jagg_pipeline.io.tables import read_table, write_table
+from jagg_pipeline.stages.rollout import run_rollout
+from jagg_pipeline.stages.scoring import run_score, table_path
+from jagg_pipeline.stages.train import train_round
 
 
 def _cut(path: Path) -> None:
@@ -245,7 +245,7 @@ def test_sigkill_while_the_checkpoint_is_written_then_a_rerun_gives_the_same_che
     uninterrupted run's checkpoint byte for byte."""
     from train_helpers import assert_same_checkpoint
 
-    from jagg_pipeline.artifacts import staging_path
+    from jagg_pipeline.io.artifacts import staging_path
 
     config = make_config(tiny_sd3)
     rollouts, scores = round_copy

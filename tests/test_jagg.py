@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-from jagg_pipeline import jagg, sde
-from jagg_pipeline.gradcheck import GradcheckSettings, build_problem
-from jagg_pipeline.objective import recompute_log_probs
+from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+from jagg_pipeline.core import jagg, sde
+from jagg_pipeline.core.objective import recompute_log_probs
 
 
 def problem(**kw):
@@ -464,7 +464,7 @@ def test_sequential_endpoint_backward_is_exact_on_the_chord(window):
 
 def test_sequential_endpoint_backward_holds_one_endpoint_graph_at_a_time():
     """Peak bytes saved for backward: sequential about exact's, joint about twice."""
-    from jagg_pipeline.bench import SavedActivations
+    from jagg_pipeline.bench.measure import SavedActivations
 
     p = problem(backbone="tiny-flux", trajectory="sde", window=4, dtype="float32", batch=4)
     peaks = {}

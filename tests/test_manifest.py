@@ -1,8 +1,8 @@
 import pytest
 
-from jagg_pipeline.config import ExperimentConfig
-from jagg_pipeline.configtools import from_dict
-from jagg_pipeline.manifest import (
+from jagg_pipeline.config.run import ExperimentConfig
+from jagg_pipeline.config.tools import from_dict
+from jagg_pipeline.io.manifest import (
     ManifestError,
     check_derived_from,
     check_input,
@@ -53,7 +53,7 @@ def test_atomic_outputs_get_the_mode_of_a_plain_file(tmp_path):
     """Staged through a private temporary file, an output still ends with the umask's mode."""
     import os
 
-    from jagg_pipeline.artifacts import atomic_write_text
+    from jagg_pipeline.io.artifacts import atomic_write_text
 
     plain = tmp_path / "plain.txt"
     plain.write_text("x")

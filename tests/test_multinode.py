@@ -57,7 +57,7 @@ def _train_args(config: Path, rollout: tuple[Path, Path], out: Path) -> list[str
 
 
 def _weights(config, checkpoint: Path) -> dict[str, torch.Tensor]:
-    from jagg_pipeline.policy import load_policy
+    from jagg_pipeline.stages.policy import load_policy
 
     return load_policy(config, checkpoint).transformer.state_dict()
 

@@ -1,9 +1,9 @@
 import torch
 
-from jagg_pipeline import grpo, sde
 from jagg_pipeline.backbones import build_analytic
-from jagg_pipeline.gradcheck import GradcheckSettings, build_problem
-from jagg_pipeline.objective import GRPOStepLoss
+from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+from jagg_pipeline.core import grpo, sde
+from jagg_pipeline.core.objective import GRPOStepLoss
 
 
 def test_step_loss_sums_to_the_mean_ppo_loss_over_samples_and_steps():

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from workflow_helpers import snakemake, synthetic_run
 
-from jagg_pipeline.artifacts import OutputError, atomic_directory, atomic_write_text
-from jagg_pipeline.errors import InputError
-from jagg_pipeline.summary import read_run
+from jagg_pipeline.io.artifacts import OutputError, atomic_directory, atomic_write_text
+from jagg_pipeline.reports.summary import read_run
+from jagg_pipeline.support.errors import InputError
 
 GAPS = {
     "round folder": "round-0001",

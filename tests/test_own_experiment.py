@@ -15,10 +15,10 @@ import yaml
 from stage_helpers import tiny_checkpoint
 from workflow_helpers import REDUCED, comparable_outputs, snakemake, write_config
 
-from jagg_pipeline.configtools import ConfigError
-from jagg_pipeline.experiments import merge, resolve_runs
-from jagg_pipeline.scoring import table_path
-from jagg_pipeline.tables import read_table
+from jagg_pipeline.config.tools import ConfigError
+from jagg_pipeline.io.tables import read_table
+from jagg_pipeline.stages.scoring import table_path
+from jagg_pipeline.workflow.experiments import merge, resolve_runs
 
 # The tiny experiment on a tiny SD3 checkpoint (no toy world to build): 1 round, 2 groups.
 TINY = {
@@ -165,7 +165,7 @@ def test_a_users_config_file_defines_the_experiment_and_its_targets(tmp_path):
 def test_the_workflows_rules_are_the_reserved_names(tmp_path):
     """Every rule of the workflow but the targets is in experiments.WORKFLOW_RULES, which
     config check and the workflow refuse as target names."""
-    from jagg_pipeline.experiments import WORKFLOW_RULES
+    from jagg_pipeline.workflow.experiments import WORKFLOW_RULES
 
     write_config(tmp_path, REDUCED)
     done = snakemake(tmp_path, "--list-rules")
@@ -221,9 +221,9 @@ def test_an_evaluation_target_runs_and_reruns_byte_identically(tmp_path):
 def test_the_comparison_pairs_each_variant_with_the_exact_variant_set_up_alike(tmp_path):
     """In a backbone x mode cross, flux_jagg's speed-up is over flux_exact, not over sd3's
     (or a variant that happens to be called exact)."""
-    from jagg_pipeline.compare import exact_twins
-    from jagg_pipeline.configtools import to_dict
-    from jagg_pipeline.summary import read_run
+    from jagg_pipeline.config.tools import to_dict
+    from jagg_pipeline.reports.compare import exact_twins
+    from jagg_pipeline.reports.summary import read_run
 
     runs = []
     for run in resolve_runs(_swap(seeds=[0, 1])).values():

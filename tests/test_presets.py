@@ -22,10 +22,10 @@ import pytest
 from reward_models import tiny_models
 from stage_helpers import EVAL_PROMPTS, tiny_checkpoint, write_prompts
 
-from jagg_pipeline import config as config_module
-from jagg_pipeline.backbones.tiny import TINY_IMAGE_SIZE
-from jagg_pipeline.configtools import read_yaml, to_dict
-from jagg_pipeline.experiments import resolve_runs
+from jagg_pipeline.config import run as config_module
+from jagg_pipeline.config.tools import read_yaml, to_dict
+from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE
+from jagg_pipeline.workflow.experiments import resolve_runs
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -220,17 +220,17 @@ def shrink(data: dict, checkpoint: Path, rewards: dict, prompts: Path, results: 
 
 
 def _score_columns(scores: Path) -> set[str]:
-    from jagg_pipeline.scoring import table_path
+    from jagg_pipeline.stages.scoring import table_path
 
     return set(pq.read_schema(table_path(scores)).names) - SCORE_TABLE_FIXED
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_preset_runs_one_round_of_each_variant(name, tmp_path, checkpoints, rewards):
-    from jagg_pipeline.evaluate import run_evaluate
-    from jagg_pipeline.rollout import run_rollout
-    from jagg_pipeline.scoring import run_score
-    from jagg_pipeline.train import train_round
+    from jagg_pipeline.stages.evaluate import run_evaluate
+    from jagg_pipeline.stages.rollout import run_rollout
+    from jagg_pipeline.stages.scoring import run_score
+    from jagg_pipeline.stages.train import train_round
 
     expected = EXPECTED[name]
     preset = load_preset(name)

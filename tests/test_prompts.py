@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jagg_pipeline.prompts import PromptFileError, load_prompts, read_table
+from jagg_pipeline.io.prompts import PromptFileError, load_prompts, read_table
 
 PROMPTS = ["a red circle", "two cats, one dog", 'a "quoted" word']
 

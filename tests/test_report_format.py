@@ -10,9 +10,9 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from jagg_pipeline import summary
-from jagg_pipeline.compare import plot_speed, update_seconds, write_comparison
-from jagg_pipeline.summary import RunMetrics, plot, summarise, table
+from jagg_pipeline.reports import summary
+from jagg_pipeline.reports.compare import plot_speed, update_seconds, write_comparison
+from jagg_pipeline.reports.summary import RunMetrics, plot, summarise, table
 
 
 def _run(variant: str, seed: int, rise: float) -> RunMetrics:

@@ -2,7 +2,7 @@
 its last round's and its evaluated rounds'; Snakemake deletes the others once no job needs
 them, and the metrics of every round stay.
 
-- which rounds are kept (:func:`jagg_pipeline.experiments.kept_rounds`), and the paths the
+- which rounds are kept (:func:`jagg_pipeline.workflow.experiments.kept_rounds`), and the paths the
   workflow plans for kept and transient rounds;
 - 12 rounds with K = 4 through the workflow train the weights of the in-process loop, which
   keeps every round, bit for bit; only the kept rounds' checkpoints and rollouts are left,
@@ -24,8 +24,8 @@ import yaml
 from stage_helpers import EVAL_PROMPTS, experiment, tiny_checkpoint, write_prompts
 from workflow_helpers import snakemake, write_config
 
-from jagg_pipeline.config import from_mapping
-from jagg_pipeline.experiments import kept_rounds, resolve_runs
+from jagg_pipeline.config.run import from_mapping
+from jagg_pipeline.workflow.experiments import kept_rounds, resolve_runs
 
 ROUNDS, KEEP_EVERY, EVAL_EVERY = 12, 4, 6
 # (r + 1) % 4 == 0: rounds 3, 7, 11; evaluated after 6 and 12 rounds: the checkpoints of
@@ -36,8 +36,8 @@ LOOP = """
 import sys
 import torch
 torch.set_num_threads(1)
-from jagg_pipeline.config import load_config
-from jagg_pipeline.loop import run_rounds
+from jagg_pipeline.config.run import load_config
+from jagg_pipeline.stages.loop import run_rounds
 run_rounds(load_config(sys.argv[1]), sys.argv[2], final_rollout=False)
 """
 
@@ -110,7 +110,7 @@ def test_the_workflow_plans_transient_rounds_in_their_own_folder(tmp_path):
 
 
 def _weights(config, checkpoint: Path) -> dict[str, torch.Tensor]:
-    from jagg_pipeline.policy import load_policy
+    from jagg_pipeline.stages.policy import load_policy
 
     return load_policy(config, checkpoint).transformer.state_dict()
 
@@ -127,7 +127,7 @@ def _without_times(path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_keeping_every_fourth_round_trains_the_same_weights_and_reruns_nothing(tmp_path):
-    from jagg_pipeline.summary import read_run
+    from jagg_pipeline.reports.summary import read_run
 
     sections = {**_sections(tmp_path), "tracking": {"backend": "none"}}
     workdir = tmp_path / "workflow"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from jagg_pipeline import sde
+from jagg_pipeline.core import sde
 
 FLUX_SCHEDULER = {
     "base_image_seq_len": 256,

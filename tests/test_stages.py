@@ -13,23 +13,23 @@ import torch
 import yaml
 from stage_helpers import tiny_checkpoint, write_experiment, write_prompts
 
-from jagg_pipeline import policy as policies
 from jagg_pipeline.cli import main
-from jagg_pipeline.configtools import digest, from_dict
-from jagg_pipeline.grpo import group_advantages
-from jagg_pipeline.manifest import (
+from jagg_pipeline.config.tools import digest, from_dict
+from jagg_pipeline.core.grpo import group_advantages
+from jagg_pipeline.core.objective import recompute_log_probs
+from jagg_pipeline.io.manifest import (
     ManifestError,
     check_derived_from,
     check_input,
     read_manifest,
     write_manifest,
 )
-from jagg_pipeline.objective import recompute_log_probs
-from jagg_pipeline.prompts import draw_prompts, resolve_prompts
+from jagg_pipeline.io.prompts import draw_prompts, resolve_prompts
+from jagg_pipeline.io.trajectories import TrajectoryBatch, load_rollout
 from jagg_pipeline.rewards import to_unit_float
 from jagg_pipeline.rewards.jpeg import jpeg_compressibility
-from jagg_pipeline.rollout import micro_batches, plan_rollout, run_rollout, step_coefficients
-from jagg_pipeline.trajectories import TrajectoryBatch, load_rollout
+from jagg_pipeline.stages import policy as policies
+from jagg_pipeline.stages.rollout import micro_batches, plan_rollout, run_rollout, step_coefficients
 
 
 @pytest.fixture(scope="module")

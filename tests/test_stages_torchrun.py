@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from stage_helpers import tiny_checkpoint, write_experiment, write_prompts
 
-from jagg_pipeline.manifest import read_manifest
-from jagg_pipeline.rollout import run_rollout
-from jagg_pipeline.trajectories import load_rollout
+from jagg_pipeline.io.manifest import read_manifest
+from jagg_pipeline.io.trajectories import load_rollout
+from jagg_pipeline.stages.rollout import run_rollout
 
 TENSORS = (
     "latents",

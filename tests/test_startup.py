@@ -17,10 +17,11 @@ import time
 import pytest
 import yaml
 
-from jagg_pipeline import startup
-from jagg_pipeline.startup import StageClock
-from jagg_pipeline.summary import RunMetrics, stage_seconds, stage_table
-from jagg_pipeline.tracking import TrackedRun, metric_points, run_metrics
+from jagg_pipeline.reports.summary import RunMetrics, stage_seconds, stage_table
+from jagg_pipeline.reports.tracker import TrackedRun
+from jagg_pipeline.reports.tracking import metric_points, run_metrics
+from jagg_pipeline.support import startup
+from jagg_pipeline.support.startup import StageClock
 
 # Runs ``python -m jagg_pipeline ARGS`` as ``-m`` does, then writes the top-level packages it
 # imported to $MODULES_OUT (the exit status is kept).
@@ -47,7 +48,7 @@ def test_process_seconds_counts_from_the_process_start():
     age = float(
         _python(
             "import time; time.sleep(0.3)\n"
-            "from jagg_pipeline.startup import process_seconds; print(process_seconds())"
+            "from jagg_pipeline.support.startup import process_seconds; print(process_seconds())"
         )
     )
     # The kernel counts in 10 ms ticks: allow two.
@@ -58,7 +59,7 @@ def test_only_the_first_stage_of_a_command_process_records_import():
     first, second = json.loads(
         _python(
             "import json\n"
-            "from jagg_pipeline import startup\n"
+            "from jagg_pipeline.support import startup\n"
             "startup.start_command()\n"
             "a, b = startup.StageClock.start(), startup.StageClock.start()\n"
             "print(json.dumps([a.record(), b.record()]))"
@@ -83,7 +84,7 @@ def test_a_stage_command_collects_nothing_until_its_stage_starts():
     # The collector is off through the imports; the stage's start freezes them and turns it on.
     code = (
         "import gc, json\n"
-        "from jagg_pipeline import startup\n"
+        "from jagg_pipeline.support import startup\n"
         "states = []\n"
         "for argv in (['config', 'show'], ['--x', 'rollout', '--config', 'c.yaml']):\n"
         "    gc.enable(); gc.unfreeze(); startup._import_claimed = False\n"
@@ -106,7 +107,7 @@ def test_an_import_block_freezes_its_modules_but_not_the_garbage_before_it(monke
     assert gc.get_freeze_count() == frozen
     code = (
         "import gc, json, weakref\n"
-        "from jagg_pipeline import startup\n"
+        "from jagg_pipeline.support import startup\n"
         "startup.start_command(['train'])\n"
         "startup.StageClock.start()\n"
         "class Node: pass\n"
@@ -178,7 +179,7 @@ def test_tracking_reads_the_seconds_back_as_the_files_give_them_not_as_metrics()
 @pytest.fixture(scope="module")
 def quick_world(tmp_path_factory):
     from jagg_pipeline.toyworld.build import build_toyworld
-    from jagg_pipeline.toyworld.settings import BuildSettings, ClipSettings, PretrainSettings
+    from jagg_pipeline.toyworld.config import BuildSettings, ClipSettings, PretrainSettings
 
     out = tmp_path_factory.mktemp("toyworld")
     settings = BuildSettings(
@@ -210,7 +211,7 @@ def _job(tmp_path, *argv: str) -> tuple[set[str], float]:
 
 @pytest.mark.slow
 def test_toy_world_jobs_import_what_they_use_and_record_their_seconds(quick_world, tmp_path):
-    from jagg_pipeline.toyworld.settings import experiment_sections
+    from jagg_pipeline.toyworld.config import experiment_sections
 
     data = experiment_sections(quick_world) | {
         "sampler": {"prompts_per_round": 2, "group_size": 2, "batch_size": 4},

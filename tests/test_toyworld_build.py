@@ -8,20 +8,20 @@ from safetensors.torch import load_file
 
 from jagg_pipeline.backbones import BackboneSpec, load_backbone
 from jagg_pipeline.rewards import load_reward, parse_spec
-from jagg_pipeline.toyworld import data
+from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.build import (
     build_toyworld,
     pretrain_backbone,
     sample_images,
     staged_folder,
 )
-from jagg_pipeline.toyworld.models import toy_backbone_options
-from jagg_pipeline.toyworld.settings import (
+from jagg_pipeline.toyworld.config import (
     TOY_FAMILIES,
     BuildSettings,
     ClipSettings,
     PretrainSettings,
 )
+from jagg_pipeline.toyworld.models import toy_backbone_options
 from jagg_pipeline.toyworld.text import vocabulary, word_tokenizer
 
 
@@ -142,7 +142,7 @@ def test_every_family_builds_and_loads_through_its_adapter(family, tmp_path):
 
 
 def test_grid_captions_keep_the_score_lines_when_prompts_are_long():
-    from jagg_pipeline.plots import _caption_lines, image_grid
+    from jagg_pipeline.io.figures import _caption_lines, image_grid
 
     long = "a very long prompt " * 10 + "\nscore=1\nother=2"
     lines = _caption_lines(long, 20, 4)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from jagg_pipeline.toyworld import data
+from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.codec import PixelShuffleCodec, to_uint8, to_unit_range
 
 

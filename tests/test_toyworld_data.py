@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from jagg_pipeline.toyworld import attributes, data
+from jagg_pipeline.rewards import toy_attributes as attributes
+from jagg_pipeline.rewards import toy_scene as data
 
 
 def test_captions_round_trip_and_split_covers_every_attribute():

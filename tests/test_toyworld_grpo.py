@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import toy_experiment
 
-from jagg_pipeline.config import from_mapping
-from jagg_pipeline.loop import run_rounds
+from jagg_pipeline.config.run import from_mapping
+from jagg_pipeline.stages.loop import run_rounds
 
 ROUNDS = 10
 # Measured after 10 rounds (docs/toyworld.md, toyworld_curves.py, seeds 0-2): +0.064 for exact

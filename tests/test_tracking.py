@@ -30,8 +30,9 @@ import pytest
 import yaml
 from workflow_helpers import REDUCED, snakemake, synthetic_run, write_config
 
-from jagg_pipeline.summary import RunMetrics, read_run
-from jagg_pipeline.tracking import PARENT_TAG, flat_params, metric_points, run_key
+from jagg_pipeline.reports.summary import RunMetrics, read_run
+from jagg_pipeline.reports.tracker import PARENT_TAG
+from jagg_pipeline.reports.tracking import flat_params, metric_points, run_key
 
 VARIANTS = ("exact", "jagg")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -135,7 +136,7 @@ def read_back(uri: str, name: str = "jagg-test") -> dict:
 def test_only_measurements_become_metrics_not_the_structure_of_a_line():
     """A train line's window and probe structure (indices, step lists, intervals, sigmas) is
     flattened into keys like the measurements beside it; only the measurements are logged."""
-    from jagg_pipeline.artifacts import metrics_record
+    from jagg_pipeline.io.artifacts import metrics_record
 
     line = metrics_record(
         "train",
@@ -297,8 +298,9 @@ def test_tracking_off_runs_without_mlflow(reduced_all):
 
 def test_heatmaps_show_each_run_for_its_own_approximation(reduced_all):
     """From the files (config.yaml) and from MLflow (the jagg_mode tag) alike."""
-    from jagg_pipeline.compare import cos_sims
-    from jagg_pipeline.tracking import TrackedRun, run_metrics
+    from jagg_pipeline.reports.compare import cos_sims
+    from jagg_pipeline.reports.tracker import TrackedRun
+    from jagg_pipeline.reports.tracking import run_metrics
 
     runs = [read_run(reduced_all / f"results/all/{v}/seed-0", v, 0) for v in VARIANTS]
     assert [run.mode for run in runs] == ["exact", "jagg"]

@@ -27,17 +27,17 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     write_config,
 )
 
-from jagg_pipeline import checkpoint as ckpt
-from jagg_pipeline import distributed
-from jagg_pipeline.artifacts import staging_path
-from jagg_pipeline.checkpoint import NonFiniteError, read_trainer_state
-from jagg_pipeline.gradcheck import GradcheckSettings, run_gradcheck
-from jagg_pipeline.loop import run_rounds
-from jagg_pipeline.manifest import ManifestError
-from jagg_pipeline.optim import lr_factor
-from jagg_pipeline.scoring import table_path
-from jagg_pipeline.tables import read_table
-from jagg_pipeline.train import (
+from jagg_pipeline.bench.gradcheck import GradcheckSettings, run_gradcheck
+from jagg_pipeline.io.artifacts import staging_path
+from jagg_pipeline.io.manifest import ManifestError
+from jagg_pipeline.io.tables import read_table
+from jagg_pipeline.stages import checkpoint as ckpt
+from jagg_pipeline.stages import distributed
+from jagg_pipeline.stages.checkpoint import NonFiniteError, read_trainer_state
+from jagg_pipeline.stages.loop import run_rounds
+from jagg_pipeline.stages.optim import lr_factor
+from jagg_pipeline.stages.scoring import table_path
+from jagg_pipeline.stages.train import (
     Routing,
     TrainInputError,
     decide_routing,
@@ -84,11 +84,11 @@ def test_jagg_at_window_2_equals_exact_and_frac_0_is_exact(tiny_sd3, base_rollou
 
 def _mean_objective_gradient(config, rollouts, table):
     """The gradient of the GRPO objective of the whole rollout in one batch, by autograd."""
-    from jagg_pipeline import jagg
-    from jagg_pipeline.objective import GRPOStepLoss
-    from jagg_pipeline.policy import load_policy
-    from jagg_pipeline.rollout import step_coefficients
-    from jagg_pipeline.trajectories import load_rollout
+    from jagg_pipeline.core import jagg
+    from jagg_pipeline.core.objective import GRPOStepLoss
+    from jagg_pipeline.io.trajectories import load_rollout
+    from jagg_pipeline.stages.policy import load_policy
+    from jagg_pipeline.stages.rollout import step_coefficients
 
     batch = load_rollout(rollouts)
     advantages = torch.tensor([row["advantage"] for row in read_table(table_path(table))])
@@ -272,7 +272,7 @@ def test_shared_anchors_train_with_the_rollouts_velocities(tiny_sd3, tmp_path):
 
 def _update(config, checkpoint):
     """The flat float64 change a checkpoint made to the base weights."""
-    from jagg_pipeline.policy import load_policy
+    from jagg_pipeline.stages.policy import load_policy
 
     base = load_policy(config, "base", for_training=True).transformer.state_dict()
     trained = policy_weights(checkpoint)
@@ -496,7 +496,7 @@ def test_lora_training_is_reproducible_and_follows_the_seed(tiny_sd3, tmp_path):
 
 
 def test_lora_ema_kl_bf16_checkpointing_checkpoint_is_the_next_policy(tiny_sd3, tmp_path):
-    from jagg_pipeline.policy import load_policy
+    from jagg_pipeline.stages.policy import load_policy
 
     config = make_config(
         tiny_sd3,
@@ -544,8 +544,8 @@ def test_checkpoint_writes_are_atomic(tiny_sd3, tmp_path, monkeypatch):
     leftovers; an existing checkpoint is replaced whole."""
     import dataclasses
 
-    from jagg_pipeline import manifest
     from jagg_pipeline.backbones import load_backbone
+    from jagg_pipeline.io import manifest
 
     config = make_config(tiny_sd3)
     backbone = load_backbone(dataclasses.replace(config.backbone, load_text_encoders=False))

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from jagg_pipeline.errors import InputError
-from jagg_pipeline.trajectories import TrajectoryBatch, concatenate, load_rollout
+from jagg_pipeline.io.trajectories import TrajectoryBatch, concatenate, load_rollout
+from jagg_pipeline.support.errors import InputError
 
 
 def batch(n=4, steps=5, offset=0):
@@ -55,7 +55,7 @@ def test_the_reader_reads_only_the_samples_asked_for(tmp_path, monkeypatch):
     """Two shards dealt round-robin (as two rollout ranks write them), velocities at a subset
     of the trained steps: any selection equals the same rows of the whole rollout, and only
     the selected rows are read from the files."""
-    from jagg_pipeline import trajectories
+    from jagg_pipeline.io import trajectories
 
     whole = batch(n=6)
     whole.velocities = torch.randn(6, 1, 3, 4, 4)

@@ -21,7 +21,7 @@ import yaml
 from train_helpers import assert_same_checkpoint
 from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, snakemake, write_config
 
-from jagg_pipeline.experiments import resolve_runs, stage_digest, workflow_schema
+from jagg_pipeline.workflow.experiments import resolve_runs, stage_digest, workflow_schema
 
 TARGETS = (
     "all",
@@ -46,8 +46,8 @@ def test_committed_schema_is_the_packages():
 
 def test_config_yaml_sets_every_key_with_a_comment():
     """config.yaml spells out every key of the base sections, each with a comment above it."""
-    from jagg_pipeline.config import ExperimentConfig
-    from jagg_pipeline.configtools import to_dict
+    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.tools import to_dict
 
     text = (ROOT / "config.yaml").read_text()
     data = yaml.safe_load(text)

@@ -64,7 +64,7 @@ def config_data(checkpoint: Path, **sections: dict[str, Any]) -> dict[str, Any]:
 
 def make_config(checkpoint: Path, **sections: dict[str, Any]):
     """The :class:`ExperimentConfig` of :func:`config_data`."""
-    from jagg_pipeline.config import from_mapping
+    from jagg_pipeline.config.run import from_mapping
 
     return from_mapping(config_data(checkpoint, **sections))
 
@@ -73,7 +73,7 @@ def write_config(config: Any, path: Path) -> Path:
     """``config`` as a YAML file for the command line."""
     import yaml
 
-    from jagg_pipeline.configtools import to_dict
+    from jagg_pipeline.config.tools import to_dict
 
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return path
@@ -83,8 +83,8 @@ def scored_rollout(
     config: Any, directory: Path, policy: str | Path = "base", round_index: int = 0
 ) -> tuple[Path, Path]:
     """Rollout and score folder of ``policy`` made by the real stages: (rollouts, scores)."""
-    from jagg_pipeline.rollout import run_rollout
-    from jagg_pipeline.scoring import run_score
+    from jagg_pipeline.stages.rollout import run_rollout
+    from jagg_pipeline.stages.scoring import run_score
 
     rollouts, scores = directory / "rollout", directory / "scores"
     run_rollout(config, policy, "toy:train", rollouts, round_index=round_index, progress=False)
@@ -101,9 +101,9 @@ def forged_scores(scores: Path, target: Path, rows: list[dict], *, reseal: bool 
     """
     import shutil
 
-    from jagg_pipeline.manifest import file_digests, manifest_path
-    from jagg_pipeline.scoring import table_path
-    from jagg_pipeline.tables import write_table
+    from jagg_pipeline.io.manifest import file_digests, manifest_path
+    from jagg_pipeline.io.tables import write_table
+    from jagg_pipeline.stages.scoring import table_path
 
     shutil.copytree(scores, target)
     write_table(table_path(target), rows)
@@ -116,7 +116,7 @@ def forged_scores(scores: Path, target: Path, rows: list[dict], *, reseal: bool 
 
 def policy_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The weights a checkpoint's ``policy/`` holds (full or LoRA), read in this process."""
-    from jagg_pipeline import shards
+    from jagg_pipeline.io import shards
 
     return shards.read(checkpoint / "policy")
 
@@ -183,7 +183,7 @@ def run_train_command(
 
 @functools.cache
 def _tiny_sd3(root: Path) -> Path:
-    from jagg_pipeline.backbones.tiny import save_tiny_pipeline
+    from jagg_pipeline.toyworld.tiny import save_tiny_pipeline
 
     return save_tiny_pipeline("sd3", root / "tiny-sd3", seed=0)
 
@@ -213,10 +213,11 @@ def base_rollout_fixture(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _worker(checkpoint: Path, out: Path) -> None:
-    from jagg_pipeline import distributed, jagg
     from jagg_pipeline.backbones import BackboneSpec, load_backbone
-    from jagg_pipeline.objective import GRPOStepLoss, recompute_log_probs
-    from jagg_pipeline.sde import StepCoefficients
+    from jagg_pipeline.core import jagg
+    from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
+    from jagg_pipeline.core.sde import StepCoefficients
+    from jagg_pipeline.stages import distributed
 
     torch.set_num_threads(1)
     counter = distributed.count_reduce_scatters()

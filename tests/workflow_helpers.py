@@ -106,9 +106,9 @@ def synthetic_run(
     rollout, score and train records, each evaluation's metrics and grid; values move with
     the round and ``shift``. For the tests of what reads runs back (summary, track, compare).
     """
-    from jagg_pipeline.config import ExperimentConfig
-    from jagg_pipeline.configtools import from_dict, to_dict
-    from jagg_pipeline.experiments import evaluated_rounds
+    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.tools import from_dict, to_dict
+    from jagg_pipeline.io.artifacts import evaluated_rounds
 
     config = to_dict(ExperimentConfig())
     config["train"]["rounds"], config["eval"]["every"] = rounds, 2

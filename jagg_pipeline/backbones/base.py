@@ -7,7 +7,7 @@ fine-tuning and activation checkpointing. The family modules only say what diffe
 encoders, the transformer call, latent layout); this module owns:
 
 - the error messages naming the keys of :class:`BackboneSpec`, the config section of a backbone
-  (defined, torch-free, in :mod:`jagg_pipeline.config`);
+  (defined, torch-free, in :mod:`jagg_pipeline.config.run`);
 - resolving ``path`` to a local directory: an existing directory first, a hub id second (with
   ``HF_HUB_OFFLINE=1`` a missing model fails at once, naming the key to set);
 - classifier-free guidance as ONE batched forward ordered [uncond; cond] (optionally rescaled
@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from jagg_pipeline import sources
 from jagg_pipeline.backbones import lora
-from jagg_pipeline.config import BackboneDtype, BackboneSpec, TrainingMode
-from jagg_pipeline.errors import InputError
-from jagg_pipeline.sources import snapshot_dir
-from jagg_pipeline.startup import importing
+from jagg_pipeline.config import sources
+from jagg_pipeline.config.run import BackboneDtype, BackboneSpec, TrainingMode
+from jagg_pipeline.config.sources import snapshot_dir
+from jagg_pipeline.support.errors import InputError
+from jagg_pipeline.support.startup import importing
 
 NEGATIVE = "negative_"
 DTYPES: dict[str, torch.dtype] = {

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jagg_pipeline.config import LoraSettings  # the config type (torch-free); re-exported
+from jagg_pipeline.config.run import LoraSettings  # the config type (torch-free); re-exported
 
 ADAPTER_NAME = "default"
 CONFIG_FILE = "adapter_config.json"

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     names = {_name(module) for module in COMMANDS}
-    from jagg_pipeline.startup import command_word
+    from jagg_pipeline.support.startup import command_word
 
     chosen = command_word(argv)
     parser = build_parser(chosen if chosen in names else "")

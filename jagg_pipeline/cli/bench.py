@@ -21,7 +21,7 @@ def _numbers(kind: type) -> Callable[[str], list]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
-    from jagg_pipeline.bench_settings import BENCH_BACKBONES, BenchSettings
+    from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchSettings
 
     defaults = BenchSettings()
     p = sub.add_parser(
@@ -95,8 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.bench import format_report, run_bench, write_outputs
-    from jagg_pipeline.bench_settings import BenchSettings
+    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
 
     settings = BenchSettings(
         backbones=args.backbones,

@@ -72,12 +72,12 @@ def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     a file with a top-level ``workflow`` section has that section checked (unknown keys and
     wrong types are errors, as everywhere) and then set aside, and the rest, the base
     experiment, is the config. ``--set`` overrides apply to the base experiment. Raises
-    :class:`~jagg_pipeline.configtools.ConfigError` naming the file (or the override) and the
+    :class:`~jagg_pipeline.config.tools.ConfigError` naming the file (or the override) and the
     dotted key.
     """
-    from jagg_pipeline.config import ExperimentConfig
-    from jagg_pipeline.configtools import ConfigError, load_data, read_yaml
-    from jagg_pipeline.experiments import WORKFLOW_KEY, split
+    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.tools import ConfigError, load_data, read_yaml
+    from jagg_pipeline.workflow.experiments import WORKFLOW_KEY, split
 
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
@@ -101,14 +101,14 @@ def load_stage_config(path: Path, overrides: list[str]) -> Any:
 
 @contextmanager
 def stage_errors() -> Iterator[None]:
-    """Exit with ``error: <message>`` on bad input (:class:`~jagg_pipeline.errors.InputError`).
+    """Exit with ``error: <message>`` on bad input (an ``InputError``).
 
     Config, manifest, table, prompt-file, policy and checkpoint errors name the key or the
     file; a missing input path is a FileNotFoundError; a full disk or an unwritable folder an
     OutputError naming the output. Anything else is a bug and keeps its traceback.
     """
-    from jagg_pipeline.artifacts import OutputError
-    from jagg_pipeline.errors import InputError
+    from jagg_pipeline.io.artifacts import OutputError
+    from jagg_pipeline.support.errors import InputError
 
     try:
         yield

@@ -31,10 +31,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.compare import write_comparison
-    from jagg_pipeline.errors import InputError
-    from jagg_pipeline.summary import read_run
-    from jagg_pipeline.tracking import open_tracker, run_key, run_metrics, tracking_of, tracking_uri
+    from jagg_pipeline.reports.compare import write_comparison
+    from jagg_pipeline.reports.summary import read_run
+    from jagg_pipeline.reports.tracker import tracking_uri
+    from jagg_pipeline.reports.tracking import (
+        open_tracker,
+        run_key,
+        run_metrics,
+        tracking_of,
+    )
+    from jagg_pipeline.support.errors import InputError
 
     runs = parse_runs(args)
     with stage_errors():

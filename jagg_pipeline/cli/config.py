@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.artifacts import atomic_write_text
-    from jagg_pipeline.configtools import ConfigError
+    from jagg_pipeline.config.tools import ConfigError
+    from jagg_pipeline.io.artifacts import atomic_write_text
 
     if args.what == "check":
         if args.config is None:
@@ -85,9 +85,9 @@ def _render(args: argparse.Namespace) -> str:
     import yaml
 
     from jagg_pipeline.cli.common import read_experiment_config
-    from jagg_pipeline.config import ExperimentConfig, from_mapping, schema
-    from jagg_pipeline.configtools import apply_overrides, commented_yaml, to_dict
-    from jagg_pipeline.experiments import workflow_schema
+    from jagg_pipeline.config.run import ExperimentConfig, from_mapping, schema
+    from jagg_pipeline.config.tools import apply_overrides, commented_yaml, to_dict
+    from jagg_pipeline.workflow.experiments import workflow_schema
 
     if args.what == "schema":
         return json.dumps(workflow_schema() if args.workflow else schema(), indent=2) + "\n"
@@ -117,8 +117,8 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     them. A file without a ``workflow`` section is an experiment config and checked as the
     base.
     """
-    from jagg_pipeline.config import ExperimentConfig, schema
-    from jagg_pipeline.configtools import (
+    from jagg_pipeline.config.run import ExperimentConfig, schema
+    from jagg_pipeline.config.tools import (
         ConfigError,
         apply_overrides,
         duplicate_keys,
@@ -126,7 +126,7 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         read_yaml,
         schema_errors,
     )
-    from jagg_pipeline.experiments import (
+    from jagg_pipeline.workflow.experiments import (
         WORKFLOW_KEY,
         check_inputs,
         resolve_runs,
@@ -227,7 +227,7 @@ def _override_errors(where: str, kind: str, target: dict, base: dict) -> list[tu
     ``variants``, ``cross`` entries and sweep values, an evaluation's ``overrides``,
     ``policies`` (less their ``checkpoint``) and ``prompts`` (overrides of ``eval``).
     """
-    from jagg_pipeline.configtools import schema_errors
+    from jagg_pipeline.config.tools import schema_errors
 
     def named(group: object, where: str) -> list[tuple[str, object]]:
         if not isinstance(group, dict):
@@ -280,15 +280,16 @@ def _target_errors(
 ) -> list[str]:
     """The errors of one target's runs: each failing variant's first.
 
-    :func:`~jagg_pipeline.experiments.resolve_runs` stops at a config's first error, so it is
+    :func:`~jagg_pipeline.workflow.experiments.resolve_runs` stops at a config's first error, so it
+    is
     run on the base sections with only this target, and, when one of its runs fails, once per
     entry of its leading group (an experiment's variants, an evaluation's policies) to name
     every one that fails.
     """
     import copy
 
-    from jagg_pipeline.configtools import ConfigError
-    from jagg_pipeline.experiments import WORKFLOW_KEY
+    from jagg_pipeline.config.tools import ConfigError
+    from jagg_pipeline.workflow.experiments import WORKFLOW_KEY
 
     def first_error(trimmed: object) -> str | None:
         # The rest of the workflow section does not change a run (its errors are the schema's).

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.evaluate import run_evaluate
+    from jagg_pipeline.stages.evaluate import run_evaluate
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():

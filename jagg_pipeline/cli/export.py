@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.policy import export_policy
+    from jagg_pipeline.stages.policy import export_policy
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():

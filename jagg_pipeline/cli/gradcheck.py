@@ -25,7 +25,7 @@ HELP = "compare JAGG and no-interp gradients with the exact GRPO gradient, per w
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``gradcheck`` subcommand."""
-    from jagg_pipeline.gradcheck_settings import (
+    from jagg_pipeline.bench.gradcheck_config import (
         BACKBONES,
         DTYPE_NAMES,
         TRAJECTORIES,
@@ -116,13 +116,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run_gradcheck(args: argparse.Namespace) -> int:
     import torch
 
-    from jagg_pipeline.artifacts import atomic_write_json
-    from jagg_pipeline.gradcheck import (
+    from jagg_pipeline.bench.gradcheck import (
         GradcheckSettings,
         format_report,
         run_gradcheck,
         worst_rel_err,
     )
+    from jagg_pipeline.io.artifacts import atomic_write_json
 
     torch.set_num_threads(1)
     settings = GradcheckSettings(

@@ -33,7 +33,7 @@ _NAME_WIDTH = 20
 
 def _names(text: str) -> list[str]:
     """``--names a,b``: registered reward names, in the order given, without repeats."""
-    from jagg_pipeline.config import REWARD_NAMES
+    from jagg_pipeline.config.run import REWARD_NAMES
 
     names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     unknown = [name for name in names if name not in REWARD_NAMES]
@@ -113,7 +113,7 @@ def _check_device(device: str, source: str) -> Any:
     """
     import torch
 
-    from jagg_pipeline.errors import InputError
+    from jagg_pipeline.support.errors import InputError
 
     try:
         torch_device = torch.device(device)
@@ -134,10 +134,10 @@ def _source_of(value: str) -> str:
     """Where a model setting's value resolves to, without loading or downloading anything.
 
     An existing local path: its absolute path. A hub id (``owner/name`` or
-    ``owner/name/file``, see :mod:`jagg_pipeline.sources`): the cached file, or the cached
+    ``owner/name/file``, see :mod:`jagg_pipeline.config.sources`): the cached file, or the cached
     snapshot folder, it resolved to. Anything else (an open_clip model name): as given.
     """
-    from jagg_pipeline.sources import HUB_FILE, HUB_REPO
+    from jagg_pipeline.config.sources import HUB_FILE, HUB_REPO
 
     path = Path(value).expanduser()
     if path.exists():
@@ -206,7 +206,7 @@ def _load_and_describe(name: str, spec: Any, device: Any) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.cli.common import load_stage_config, stage_errors
-    from jagg_pipeline.errors import InputError
+    from jagg_pipeline.support.errors import InputError
 
     config = load_stage_config(args.config, args.overrides)
     names = args.names or _config_rewards(config)

@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.rollout import run_rollout
+    from jagg_pipeline.stages.rollout import run_rollout
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.cli.common import load_stage_config, stage_errors
-    from jagg_pipeline.scoring import run_score
+    from jagg_pipeline.stages.scoring import run_score
 
     if args.batch_size < 1:
         raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")

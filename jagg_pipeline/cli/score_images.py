@@ -41,7 +41,7 @@ def _reward_flag(text: str) -> tuple[str, float]:
 def _epilog() -> str:
     import typing
 
-    from jagg_pipeline.config import REWARD_NAMES, RewardsSpec
+    from jagg_pipeline.config.run import REWARD_NAMES, RewardsSpec
 
     specs = typing.get_type_hints(RewardsSpec)
     fields = {f.name: f for f in dataclasses.fields(RewardsSpec)}
@@ -215,7 +215,7 @@ def _rewards_section(args: argparse.Namespace) -> dict[str, Any]:
     outside = [item for item in args.overrides if not item.startswith("rewards.")]
     if outside:
         raise SystemExit(f"error: --set {outside[0]}: only rewards.* keys apply to images")
-    from jagg_pipeline.configtools import ConfigError, apply_overrides
+    from jagg_pipeline.config.tools import ConfigError, apply_overrides
 
     try:
         return apply_overrides({"rewards": section}, args.overrides)["rewards"]
@@ -230,7 +230,7 @@ def _image_files(folder: Path) -> list[Path]:
 
 
 def _samples(args: argparse.Namespace) -> list[Sample]:
-    from jagg_pipeline.prompts import column_values, load_prompts, read_table
+    from jagg_pipeline.io.prompts import column_values, load_prompts, read_table
 
     if args.prompts is not None:
         prompts = load_prompts(args.prompts, args.column)
@@ -289,12 +289,12 @@ def _run_score(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline import __version__
-    from jagg_pipeline.artifacts import atomic_write_json
-    from jagg_pipeline.configtools import to_dict
-    from jagg_pipeline.manifest import file_sha256
-    from jagg_pipeline.prompts import PromptFileError
+    from jagg_pipeline.config.tools import to_dict
+    from jagg_pipeline.io.artifacts import atomic_write_json
+    from jagg_pipeline.io.manifest import file_sha256
+    from jagg_pipeline.io.prompts import PromptFileError
+    from jagg_pipeline.io.tables import WRITE_SUFFIXES, write_table
     from jagg_pipeline.rewards import MultiReward, RewardConfigError, parse_rewards
-    from jagg_pipeline.tables import WRITE_SUFFIXES, write_table
 
     if args.out.suffix.lower() not in WRITE_SUFFIXES:
         raise SystemExit(f"error: --out {args.out}: use one of {', '.join(WRITE_SUFFIXES)}")

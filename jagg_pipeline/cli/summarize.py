@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.summary import write_summary
+    from jagg_pipeline.reports.summary import write_summary
 
     runs = {
         f"{variant}/seed-{seed}": (directory, variant, seed)

@@ -17,7 +17,7 @@ HELP = "build the embedded toy world: a pretrained toy DiT, the toy CLIP, a repo
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``toyworld`` subcommand."""
-    from jagg_pipeline.toyworld.settings import TOY_FAMILIES, BuildSettings
+    from jagg_pipeline.toyworld.config import TOY_FAMILIES, BuildSettings
 
     defaults = BuildSettings()
     p = sub.add_parser(
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip, pretrain_backbone
-    from jagg_pipeline.toyworld.settings import BuildSettings
+    from jagg_pipeline.toyworld.config import BuildSettings
 
     torch.set_num_threads(1)
     defaults = BuildSettings()

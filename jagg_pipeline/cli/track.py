@@ -9,7 +9,7 @@ from pathlib import Path
 from jagg_pipeline.cli.common import add_run_argument, parse_runs, stage_errors
 
 HELP = "push finished runs (stage folders) to MLflow: params, metrics per round, grids"
-# Beside --out: every run pushed so far, by store and experiment (jagg_pipeline.tracking).
+# Beside --out: every run pushed so far, by store and experiment (jagg_pipeline.reports.tracking).
 LEDGER_NAME = "pushed.json"
 
 
@@ -55,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.artifacts import atomic_write_text
-    from jagg_pipeline.tracking import track_runs
+    from jagg_pipeline.io.artifacts import atomic_write_text
+    from jagg_pipeline.reports.tracking import track_runs
 
     ledger = args.out.with_name(LEDGER_NAME) if args.out else None
     with stage_errors():

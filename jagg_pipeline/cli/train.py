@@ -77,8 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.checkpoint import NonFiniteError
-    from jagg_pipeline.train import train_round
+    from jagg_pipeline.stages.checkpoint import NonFiniteError
+    from jagg_pipeline.stages.train import train_round
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():

@@ -7,7 +7,7 @@ and uint8 tensors (files, rollouts stored as uint8) go through :func:`to_unit_fl
 which divides by 255 exactly as torchvision's ``ToTensor`` does. Every scorer returns a float32
 tensor [B] on the device of ``images``, computed without grad.
 
-Specs are plain dataclasses (defined in :mod:`jagg_pipeline.config`) whose fields name a
+Specs are plain dataclasses (defined in :mod:`jagg_pipeline.config.run`) whose fields name a
 model's local path or hub id; their config key is ``rewards.<name>.<field>`` and every loading
 error names that key.
 """
@@ -19,8 +19,8 @@ from typing import Any, Protocol, get_args
 
 import torch
 
-from jagg_pipeline.config import RewardDtype
-from jagg_pipeline.configtools import ConfigError, from_dict
+from jagg_pipeline.config.run import RewardDtype
+from jagg_pipeline.config.tools import ConfigError, from_dict
 
 # The dtype names a spec accepts (config.RewardDtype, checked to agree) and their torch dtypes.
 DTYPES: dict[str, torch.dtype] = {

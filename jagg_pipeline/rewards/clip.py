@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from jagg_pipeline.config.sources import load_pretrained_dir
 from jagg_pipeline.rewards.base import RewardConfigError, config_key, to_uint8
-from jagg_pipeline.sources import load_pretrained_dir
 
 
 def paired_cosine(image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:

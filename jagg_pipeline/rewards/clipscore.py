@@ -14,14 +14,14 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config import ClipScoreSpec
+from jagg_pipeline.config.run import ClipScoreSpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "clipscore"
 
 
-SPEC = ClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
+SPEC = ClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def clipscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jagg_pipeline.config import HPSv21Spec
+from jagg_pipeline.config.run import HPSv21Spec
+from jagg_pipeline.config.sources import resolve_file
 from jagg_pipeline.rewards.base import (
     BatchedReward,
     RewardConfigError,
@@ -31,12 +32,11 @@ from jagg_pipeline.rewards.base import (
     resolve_dtype,
 )
 from jagg_pipeline.rewards.clip import paired_cosine
-from jagg_pipeline.sources import resolve_file
 
 NAME = "hpsv21"
 
 
-SPEC = HPSv21Spec  # the settings type, defined (torch-free) in jagg_pipeline.config
+SPEC = HPSv21Spec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 @dataclass

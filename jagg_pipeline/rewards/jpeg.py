@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config import JpegCompressibilitySpec
+from jagg_pipeline.config.run import JpegCompressibilitySpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, to_uint8
 
 NAME = "jpeg_compressibility"
@@ -22,7 +22,9 @@ NAME = "jpeg_compressibility"
 _CHUNK = 256
 
 
-SPEC = JpegCompressibilitySpec  # the settings type, defined (torch-free) in jagg_pipeline.config
+SPEC = (
+    JpegCompressibilitySpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+)
 
 
 def jpeg_kilobytes(images: torch.Tensor, quality: int) -> torch.Tensor:

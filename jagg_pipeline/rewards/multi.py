@@ -5,7 +5,7 @@ Two ways to turn several rewards into one advantage, both used in practice:
 - ``normalize_separately=True``: advantage = sum_k w_k A_k with A_k each reward's own group
   advantage, so a reward's scale (PickScore ~20, HPS ~0.3) does not decide its influence; only
   the weights do. The weighted sum is not normalised again (its spread follows the weights).
-Group advantages come from :func:`jagg_pipeline.grpo.group_advantages` (clipping included).
+Group advantages come from :func:`jagg_pipeline.core.grpo.group_advantages` (clipping included).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jagg_pipeline.grpo import StdMode, group_advantages
+from jagg_pipeline.core.grpo import StdMode, group_advantages
 from jagg_pipeline.rewards.base import RewardFn
 from jagg_pipeline.rewards.registry import RewardsSpec, load_reward
 
@@ -42,7 +42,7 @@ def combine_rewards(
     """Weighted total of ``columns`` and, given ``group_ids``, the GRPO advantage.
 
     ``columns`` and ``weights`` must name the same rewards; ``std_mode``, ``eps`` and ``clip``
-    are passed to :func:`~jagg_pipeline.grpo.group_advantages`.
+    are passed to :func:`~jagg_pipeline.core.grpo.group_advantages`.
     """
     if set(columns) != set(weights) or not columns:
         raise ValueError(

@@ -13,14 +13,14 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config import PickScoreSpec
+from jagg_pipeline.config.run import PickScoreSpec
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "pickscore"
 
 
-SPEC = PickScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
+SPEC = PickScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def pickscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

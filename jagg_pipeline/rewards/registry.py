@@ -3,7 +3,8 @@
 A reward is one module exposing ``NAME`` (its registry and config name), ``SPEC`` (the plain
 dataclass of its settings, every field with a default) and ``load(spec, device) -> RewardFn``;
 its docstring's first line is its summary in ``--help``. The spec classes and the section type
-:class:`~jagg_pipeline.config.RewardsSpec` live in :mod:`jagg_pipeline.config`, which must stay
+:class:`~jagg_pipeline.config.run.RewardsSpec` live in :mod:`jagg_pipeline.config.run`, which must
+stay
 torch-free; adding a reward (e.g. the toy world's ``toy_attributes``) is one such module, its
 entry in ``_MODULES``, and its spec class plus its field in ``RewardsSpec`` there (checked at
 import below). Scorer modules import their heavy dependencies (open_clip, transformers) inside
@@ -29,8 +30,8 @@ from typing import Any, get_type_hints
 
 import torch
 
-from jagg_pipeline.config import REWARD_NAMES, RewardsSpec
-from jagg_pipeline.configtools import ConfigError, check_bounds, from_dict
+from jagg_pipeline.config.run import REWARD_NAMES, RewardsSpec
+from jagg_pipeline.config.tools import ConfigError, check_bounds, from_dict
 from jagg_pipeline.rewards import (
     clipscore,
     hpsv21,

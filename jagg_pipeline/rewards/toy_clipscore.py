@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from jagg_pipeline.config import ClipScoreSpec, ToyClipScoreSpec
+from jagg_pipeline.config.run import ClipScoreSpec, ToyClipScoreSpec
 from jagg_pipeline.rewards import clipscore
 from jagg_pipeline.rewards.base import RewardFn
 
 NAME = "toy_clipscore"
 
 
-SPEC = ToyClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config
+SPEC = ToyClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def load(spec: ToyClipScoreSpec, device: torch.device) -> RewardFn:

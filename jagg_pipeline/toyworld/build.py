@@ -31,24 +31,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from jagg_pipeline import sde
-from jagg_pipeline.artifacts import atomic_directory, atomic_write_json
 from jagg_pipeline.backbones import BackboneSpec, backbone_class
 from jagg_pipeline.backbones.base import Backbone
-from jagg_pipeline.configtools import digest
-from jagg_pipeline.plots import save_curves, save_image_grid
+from jagg_pipeline.config.tools import digest
+from jagg_pipeline.core import sde
+from jagg_pipeline.io.artifacts import atomic_directory, atomic_write_json
+from jagg_pipeline.io.figures import save_curves, save_image_grid
 from jagg_pipeline.rewards import load_reward, parse_spec, to_unit_float
+from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.rewards.base import to_uint8
-from jagg_pipeline.toyworld import data
 from jagg_pipeline.toyworld.clip import (
     build_clip,
     retrieval_top1,
     save_clip,
     train_clip,
 )
+from jagg_pipeline.toyworld.config import BuildSettings, ClipSettings
 from jagg_pipeline.toyworld.models import build_toy_pipeline, toy_backbone_options
 from jagg_pipeline.toyworld.pretrain import pretrain
-from jagg_pipeline.toyworld.settings import BuildSettings, ClipSettings
 
 # pretrain_backbone's files beside the pipeline: the report's samples, the pretraining's numbers.
 _SAMPLES = "samples.safetensors"

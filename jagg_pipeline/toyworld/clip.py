@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from jagg_pipeline.toyworld import data
-from jagg_pipeline.toyworld.settings import ClipSettings
+from jagg_pipeline.rewards import toy_scene as data
+from jagg_pipeline.toyworld.config import ClipSettings
 from jagg_pipeline.toyworld.text import word_tokenizer
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline.backbones.tiny import (
+from jagg_pipeline.rewards.toy_scene import IMAGE_SIZE
+from jagg_pipeline.toyworld.codec import PixelShuffleCodec
+from jagg_pipeline.toyworld.config import TOY_FAMILIES
+from jagg_pipeline.toyworld.text import MAX_LENGTH, word_tokenizer
+from jagg_pipeline.toyworld.tiny import (
     SCHEDULERS,
     clip_text_config,
     qwen2_tokenizer,
     qwen_text_encoder,
     t5_encoder,
 )
-from jagg_pipeline.toyworld.codec import PixelShuffleCodec
-from jagg_pipeline.toyworld.data import IMAGE_SIZE
-from jagg_pipeline.toyworld.settings import TOY_FAMILIES
-from jagg_pipeline.toyworld.text import MAX_LENGTH, word_tokenizer
 
 LATENT_CHANNELS = 12  # 3 colour channels x 2 x 2 pixels
 LATENT_SIZE = IMAGE_SIZE // 2

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from jagg_pipeline.backbones.base import Backbone, pack_latents
-from jagg_pipeline.toyworld import data
+from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.codec import to_unit_range
-from jagg_pipeline.toyworld.settings import PretrainSettings
+from jagg_pipeline.toyworld.config import PretrainSettings
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from jagg_pipeline.toyworld.data import ALL_ATTRIBUTES
+from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIALS = (PAD, UNK, BOS, EOS)

@@ -1,7 +1,7 @@
 # Named helpers of the rules: the resolved runs, their paths, inputs and params.
 #
 # Every job parses this file again, so it imports only the torch-free part of the package
-# (jagg_pipeline.experiments, jagg_pipeline.config, the toy world's settings).
+# (jagg_pipeline.workflow.experiments, jagg_pipeline.config.run, the toy world's settings).
 import os
 import re
 import shlex
@@ -11,20 +11,22 @@ from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.artifacts import (
+from jagg_pipeline.io.artifacts import (
+    EVALUATION_PREFIX,
     ROUND_PREFIX,
     ROUND_RECORDS,
     atomic_write_text,
+    evaluation_name,
     round_name,
 )
-from jagg_pipeline.configtools import (
+from jagg_pipeline.config.tools import (
     ConfigError,
     apply_overrides,
     digest,
     read_yaml,
     to_dict,
 )
-from jagg_pipeline.experiments import (
+from jagg_pipeline.workflow.experiments import (
     check_inputs,
     merge,
     resolve_runs,
@@ -32,7 +34,7 @@ from jagg_pipeline.experiments import (
     stage_digest,
     toyworld_inputs,
 )
-from jagg_pipeline.toyworld.settings import TOY_FAMILIES
+from jagg_pipeline.toyworld.config import TOY_FAMILIES
 
 
 def _own_config():
@@ -502,7 +504,7 @@ def run_files(run):
     it (tested: a round's scores and an evaluation deleted after a finished run are rebuilt
     by the next run of the target).
     """
-    files = [f"{run.directory}/eval/trained-{n:04d}" for n in run.evaluated_rounds]
+    files = [f"{run.directory}/eval/{evaluation_name(n)}" for n in run.evaluated_rounds]
     if run.policy is not None:
         return files
     for round_index in range(run.config.train.rounds):

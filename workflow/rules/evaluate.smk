@@ -5,11 +5,11 @@ rule evaluate:
     input:
         unpack(evaluate_inputs),
     output:
-        metrics=directory(f"{RUN}/eval/trained-{{trained}}"),
+        metrics=directory(f"{RUN}/eval/{EVALUATION_PREFIX}{{trained}}"),
     log:
-        f"{LOGS}/{JOB}/eval/trained-{{trained}}.log",
+        f"{LOGS}/{JOB}/eval/{EVALUATION_PREFIX}{{trained}}.log",
     benchmark:
-        f"{BENCHMARKS}/{JOB}/eval/trained-{{trained}}.tsv"
+        f"{BENCHMARKS}/{JOB}/eval/{EVALUATION_PREFIX}{{trained}}.tsv"
     conda:
         "../../envs/pipeline.yaml"
     container:

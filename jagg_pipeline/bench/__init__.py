@@ -1,0 +1,1 @@
+"""Benchmarks and diagnostics: the update benchmark and the gradient check."""

@@ -1,0 +1,697 @@
+"""The experiment configuration: one typed dataclass per section, loaded strictly from YAML.
+
+Sections: ``backbone`` (:class:`BackboneSpec`, with its :class:`LoraSettings`), ``sampler``,
+``advantage`` (read by the score stage only), ``grpo`` (the train stage's loss), ``jagg``,
+``rewards`` (:class:`RewardsSpec`, one field per registered reward), ``train``, ``eval``,
+``tracking``. The JSON Schema that Snakemake validates config.yaml against is derived from
+these classes (``python -m jagg_pipeline config schema``), so the two cannot drift apart.
+Defaults describe the embedded toy world.
+
+Torch-free on purpose: every Snakemake job parses the config at start-up. The backbone and
+reward modules that use these types (and map the dtype names to torch dtypes) import them from
+here; :mod:`jagg_pipeline.rewards.registry` checks at import that its rewards are exactly
+:data:`REWARD_NAMES` with these spec classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal, get_args
+
+from jagg_pipeline.config.tools import (
+    ConfigError,
+    check_bounds,
+    digest,
+    field,
+    from_dict,
+    json_schema,
+)
+from jagg_pipeline.config.tools import load_yaml as _load_yaml
+
+# The names of jagg_pipeline.backbones.base.DTYPES / jagg_pipeline.rewards.base.DTYPES (each
+# module checks at import that they agree).
+BackboneDtype = Literal["float32", "bfloat16", "float16", "float64"]
+BackboneFamily = Literal["flux", "sd3", "qwenimage"]
+TrainingMode = Literal["lora", "full"]
+RewardDtype = Literal["float32", "bfloat16", "float16"]
+
+# --------------------------------------------------------------------------------------------
+# backbone
+# --------------------------------------------------------------------------------------------
+
+
+# Pixels per latent token side in every family: 8x VAE downsampling, 2 x 2 patches (the toy
+# world: 2x codec, 2 x 2 patches, then 32-pixel images).
+PIXELS_PER_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Rank, scale and placement of the LoRA adapters."""
+
+    rank: int = field(16, help="adapter rank r", minimum=1)
+    alpha: float | None = field(
+        None, help="adapter scale numerator: the update is scaled by alpha / rank (null: rank)"
+    )
+    dropout: float = field(
+        0.0,
+        help="dropout on the adapters' input; only 0: dropout makes the training forward a "
+        "random function, so the PPO ratio of the on-policy step is no longer 1",
+        minimum=0,
+    )
+    targets: tuple[str, ...] | None = field(
+        None,
+        help="module-name suffixes that receive adapters, such as attn.to_q (null: the "
+        "family's default list)",
+    )
+    seed: int = field(0, help="seed of the adapters' initialisation (A random, B zero)", minimum=0)
+
+    def __post_init__(self) -> None:
+        if self.dropout != 0:
+            # peft's dropout acts in training mode only, and rollout, evaluation and training
+            # all run the transformer in eval mode, where it would silently do nothing.
+            raise ValueError(
+                f"backbone.lora.dropout: {self.dropout} is not supported, set 0: GRPO's ratio "
+                "compares the training forward with the rollout's, so dropout in training makes "
+                "the on-policy ratio random (it clips steps that are exactly on-policy) and "
+                "breaks velocity reuse, and dropout in rollout makes samples random"
+            )
+        check_bounds(self, "lora")
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """The ``backbone`` section: which checkpoint, and how to drive it."""
+
+    family: BackboneFamily = field(help="model family, which picks the adapter")
+    path: str = field(
+        help="a local diffusers-format directory (the one holding model_index.json) or, if no "
+        "such directory exists, a hub id"
+    )
+    revision: str | None = field(None, help="hub revision (branch, tag or commit) of a hub id")
+    height: int = field(1024, help="image height in pixels (a multiple of 16)", minimum=1)
+    width: int = field(1024, help="image width in pixels (a multiple of 16)", minimum=1)
+    dtype: BackboneDtype = field(
+        "bfloat16", help="precision the pipeline is loaded in (and trained weights are kept in)"
+    )
+    mixed_precision: Literal["no", "bf16"] = field(
+        "no",
+        help="'bf16': the transformer computes in bfloat16 over weights kept in dtype (FSDP2's "
+        "MixedPrecisionPolicy in training, gradients reduced in float32); rollout and "
+        "evaluation compute the same way, so the on-policy ratio is 1",
+    )
+    device: str = field("cpu", help="torch device the pipeline is loaded onto")
+    cfg_scale: float = field(
+        1.0,
+        help="> 1 turns on true classifier-free guidance against negative_prompt (SD3's "
+        "guidance_scale, Flux/QwenImage's true_cfg_scale); 1: off",
+        minimum=1,
+    )
+    negative_prompt: str = field("", help="the negative prompt of classifier-free guidance")
+    cfg_rescale: bool | None = field(
+        None,
+        help="rescale the guided velocity per token to the conditional norm (null: the family "
+        "default, on for QwenImage)",
+    )
+    guidance_scale: float | None = field(
+        None,
+        help="the guidance embedding of a guidance-distilled model (Flux-dev; null: 3.5 as "
+        "FluxPipeline)",
+    )
+    max_sequence_length: int | None = field(
+        None, help="cap on the T5/Qwen prompt tokens (null: the family default)", minimum=1
+    )
+    training: TrainingMode = field(
+        "lora", help="'lora': train the adapters only; 'full': every transformer weight"
+    )
+    lora: LoraSettings = field(default_factory=LoraSettings, help="the adapters of training 'lora'")
+    gradient_checkpointing: bool = field(
+        False, help="activation checkpointing of the transformer (less memory, more compute)"
+    )
+    load_text_encoders: bool = field(
+        True, help="false skips the text encoders (conditioning precomputed)"
+    )
+    key: str = field(
+        "backbone", help="the config path that error messages name (set by code)", internal=True
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in get_args(BackboneDtype):
+            raise ValueError(
+                f"{self.key}.dtype must be one of {get_args(BackboneDtype)}, got {self.dtype!r}"
+            )
+        if self.training not in get_args(TrainingMode):
+            raise ValueError(
+                f"{self.key}.training must be one of {get_args(TrainingMode)}, "
+                f"got {self.training!r}"
+            )
+        check_bounds(self, self.key)
+        if self.mixed_precision == "bf16" and self.dtype == "float16":
+            raise ValueError(
+                f"{self.key}.mixed_precision: 'bf16' over {self.key}.dtype 'float16' computes "
+                "in fewer mantissa bits than the weights hold; set dtype to float32 (mixed "
+                "precision) or mixed_precision to 'no'"
+            )
+        for side in ("height", "width"):
+            if getattr(self, side) % PIXELS_PER_TOKEN:
+                raise ValueError(
+                    f"{self.key}.{side}: {getattr(self, side)} is not a multiple of "
+                    f"{PIXELS_PER_TOKEN} (VAE downsampling x 2 x 2 patches: one latent token)"
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# rewards (one spec per module of jagg_pipeline.rewards)
+# --------------------------------------------------------------------------------------------
+
+_BATCH_HELP = "images per forward of the model"
+
+
+@dataclass
+class HPSv21Spec:
+    """``rewards.hpsv21``: the checkpoint and the open_clip architecture it belongs to."""
+
+    checkpoint: str = field(
+        "xswu/HPSv2/HPS_v2.1_compressed.pt",
+        help="a local HPS_v2.1_compressed.pt or a hub owner/name/file",
+    )
+    arch: str = field(
+        "ViT-H-14",
+        help="an open_clip model name, or the path of an open_clip model-config JSON (whose "
+        "file stem becomes the name); only tests and experiments change it",
+    )
+    dtype: RewardDtype = field("float32", help="precision the model runs in")
+    batch_size: int = field(32, help=_BATCH_HELP, minimum=1)
+
+
+@dataclass
+class PickScoreSpec:
+    """``rewards.pickscore``: where the model and its processor live, and how to run it."""
+
+    model: str = field(
+        "yuvalkirstain/PickScore_v1",
+        help="the PickScore CLIPModel: a local save_pretrained directory or a hub id",
+    )
+    processor: str = field(
+        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+        help="its CLIP processor: a local save_pretrained directory or a hub id",
+    )
+    dtype: RewardDtype = field("float32", help="precision the model runs in")
+    batch_size: int = field(32, help=_BATCH_HELP, minimum=1)
+
+
+@dataclass
+class ClipScoreSpec:
+    """``rewards.clipscore``: where the model (and optionally its processor) live."""
+
+    model: str = field(
+        "openai/clip-vit-large-patch14",
+        help="the CLIPModel: a local save_pretrained directory or a hub id",
+    )
+    processor: str | None = field(
+        None, help="its processor, a directory or hub id (null: the model's own)"
+    )
+    dtype: RewardDtype = field("float32", help="precision the model runs in")
+    batch_size: int = field(32, help=_BATCH_HELP, minimum=1)
+
+
+@dataclass
+class JpegCompressibilitySpec:
+    """``rewards.jpeg_compressibility``: the JPEG quality."""
+
+    quality: int = field(
+        95,
+        help="JPEG quality of the encoding (DDPO uses 95; Pillow's useful range is 1-95)",
+        minimum=1,
+        maximum=95,
+    )
+
+
+@dataclass
+class ToyAttributesSpec:
+    """``rewards.toy_attributes``: how many images to score at once."""
+
+    batch_size: int = field(256, help="images scored at once", minimum=1)
+
+
+@dataclass
+class ToyClipScoreSpec:
+    """``rewards.toy_clipscore``: the toy CLIP directory (model and processor)."""
+
+    model: str = field(
+        "results/toyworld/clip",
+        help="the toy CLIP directory (model and processor) that toyworld build saves",
+    )
+    dtype: RewardDtype = field("float32", help="precision the model runs in")
+    batch_size: int = field(256, help=_BATCH_HELP, minimum=1)
+
+
+@dataclass
+class RewardsSpec:
+    """The ``rewards:`` section: weights of the rewards that run, each model's settings.
+
+    One field per registered reward, named by its ``NAME``, described by its summary.
+    """
+
+    weights: dict[str, float] = field(
+        default_factory=dict, help="which rewards run and their weights: {name: weight}"
+    )
+    normalize_separately: bool = field(
+        False, help="group-normalise each reward's advantage before weighting"
+    )
+    device: str | None = field(
+        None, help="torch device of the reward models (null: backbone.device)"
+    )
+    hpsv21: HPSv21Spec = field(
+        default_factory=HPSv21Spec,
+        help="HPSv2.1: open_clip ViT-H-14 + HPS v2.1 weights; cosine, no logit scale, in [-1, 1].",
+    )
+    pickscore: PickScoreSpec = field(
+        default_factory=PickScoreSpec,
+        help="PickScore: CLIP-H tuned on Pick-a-Pic; exp(logit_scale) * cosine (typically 18-24).",
+    )
+    clipscore: ClipScoreSpec = field(
+        default_factory=ClipScoreSpec,
+        help="CLIPScore: CLIP ViT-L/14, torchmetrics convention max(100 cos, 0), in [0, 100].",
+    )
+    jpeg_compressibility: JpegCompressibilitySpec = field(
+        default_factory=JpegCompressibilitySpec,
+        help="JPEG compressibility (DDPO): minus the JPEG size in kB, in (-inf, 0]; prompt "
+        "ignored.",
+    )
+    toy_attributes: ToyAttributesSpec = field(
+        default_factory=ToyAttributesSpec,
+        help="Toy attributes: whether an image shows its toy caption's shape, colour, "
+        "position, background.",
+    )
+    toy_clipscore: ToyClipScoreSpec = field(
+        default_factory=ToyClipScoreSpec,
+        help="Toy CLIPScore: CLIPScore (max(100 cos, 0), in [0, 100]) under the toy world's CLIP.",
+    )
+
+    def __post_init__(self) -> None:
+        for name, weight in self.weights.items():
+            if name not in REWARD_NAMES:
+                raise ValueError(
+                    f"rewards.weights.{name}: unknown reward; known rewards: "
+                    f"{', '.join(sorted(REWARD_NAMES))}"
+                )
+            if not math.isfinite(weight):  # NaN or inf advantages, silently
+                raise ValueError(f"rewards.weights.{name}: must be a finite number, got {weight}")
+
+    def resolve_device(self, backbone_device: str) -> str:
+        """The device the reward models run on: ``device``, else the backbone's."""
+        return self.device or backbone_device
+
+    def spec(self, name: str) -> Any:
+        """The settings of reward ``name``."""
+        if name not in REWARD_NAMES:
+            raise ConfigError(
+                f"rewards.{name}: unknown reward; known rewards: {', '.join(sorted(REWARD_NAMES))}"
+            )
+        return getattr(self, name)
+
+
+# The registered rewards, in registry order: every field of RewardsSpec but its options.
+REWARD_NAMES: tuple[str, ...] = tuple(
+    f.name
+    for f in fields(RewardsSpec)
+    if f.name not in ("weights", "normalize_separately", "device")
+)
+
+# --------------------------------------------------------------------------------------------
+# the other sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplerConfig:
+    """How rollouts are sampled: schedule, SDE family, group size, which steps are trained."""
+
+    prompts: str = field(
+        "toy:train",
+        help="training prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or "
+        "'toy:train' / 'toy:heldout'",
+    )
+    prompt_column: str | None = field(None, help="prompt column of a tabular prompt file")
+    num_steps: int = field(10, help="denoising steps of a rollout", minimum=1)
+    step: Literal["flow_grpo", "dance_grpo", "cps"] = field(
+        "flow_grpo",
+        help="SDE step family: flow_grpo (Flow-GRPO), dance_grpo (DanceGRPO) or cps "
+        "(coefficients-preserving sampling)",
+    )
+    noise_level: float = field(
+        0.7,
+        help="a of Flow-GRPO (0.7 SD3.5, 0.9 Flux, 1.2 QwenImage), eta of DanceGRPO, a of CPS",
+        minimum=0,
+    )
+    group_size: int = field(
+        8, help="samples per prompt (G of GRPO; >= 2: GRPO compares samples in a group)", minimum=2
+    )
+    prompts_per_round: int = field(8, help="prompts sampled per training round", minimum=1)
+    batch_size: int = field(16, help="samples per network forward during rollout", minimum=1)
+    trajectory: Literal["full", "window"] = field(
+        "window",
+        help="'full': SDE on every step, train a selection; 'window': SDE on a window of "
+        "consecutive steps, ODE elsewhere (Flow-GRPO-Fast / MixGRPO)",
+    )
+    trained_fraction: float = field(
+        1.0,
+        help="'full' only: fraction of steps trained (the last step never is)",
+        exclusive_minimum=0,
+        maximum=1,
+    )
+    store_velocities: bool = field(
+        True,
+        help="store the velocities the first optimizer step of a round can reuse to skip JAGG's "
+        "interior forwards (one latent per sample at each step of the approximated windows "
+        "with interiors, in the compute dtype; none under mode exact, W = 2, jagg_frac 0, "
+        "no_interp drop or jagg.reuse_velocities false)",
+    )
+    window_size: int = field(8, help="'window' only: consecutive SDE steps", minimum=1)
+    window_start: list[int] = field(
+        default_factory=lambda: [0, 0],
+        help="'window' only: inclusive [lo, hi] range of the window's random first step",
+    )
+
+    def __post_init__(self) -> None:
+        if len(self.window_start) != 2 or not 0 <= self.window_start[0] <= self.window_start[1]:
+            raise ValueError(f"sampler.window_start must be [lo, hi], got {self.window_start}")
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"sampler.batch_size: {self.batch_size} is not a multiple of sampler.group_size "
+                f"{self.group_size} (a rollout micro-batch holds whole prompt groups)"
+            )
+        if self.trajectory == "window" and self.window_start[1] + self.window_size > self.num_steps:
+            raise ValueError(
+                f"sampler.window_start {self.window_start} + window_size {self.window_size} "
+                f"exceeds num_steps {self.num_steps}"
+            )
+
+
+@dataclass
+class AdvantageConfig:
+    """How the score stage turns rewards into GRPO advantages (train reads them from its table)."""
+
+    std_mode: Literal["group", "global"] = field(
+        "group", help="normalise advantages by each group's std or the batch's"
+    )
+    eps: float = field(
+        1e-4,
+        help="added to the std before dividing (> 0: a group of equal rewards has std 0)",
+        exclusive_minimum=0,
+    )
+    clip: float = field(5.0, help="advantages are clipped to +-clip", exclusive_minimum=0)
+
+
+@dataclass
+class GRPOConfig:
+    """The clipped policy objective of the train stage."""
+
+    clip_range: float = field(
+        1e-4,
+        help="PPO ratio clip e (1e-4 full trajectories, 1e-5 windows)",
+        exclusive_minimum=0,
+    )
+    kl_beta: float = field(
+        0.0, help="weight of the KL to the frozen reference policy (0: off)", minimum=0
+    )
+
+
+@dataclass
+class JaggConfig:
+    """Which gradient engine trains the windows of trained steps, and how they are routed."""
+
+    mode: Literal["exact", "jagg", "no_interp"] = field(
+        "jagg", help="exact baseline, JAGG, or the no-interpolation ablation"
+    )
+    window: int = field(4, help="W: trained steps per window (>= 2)", minimum=2)
+    anchors: Literal["separate", "shared"] = field(
+        "separate",
+        help="'separate': each window interpolates between its own two ends (2 rows per W "
+        "steps); 'shared': adjacent windows share their boundary step, so anchors come every "
+        "W - 1 steps (about one row per W - 1 steps, the same interpolation span)",
+    )
+    jagg_frac: float | Literal["auto"] = field(
+        1.0,
+        help="fraction of windows (from high noise) routed to the approximation, or 'auto' "
+        "(route windows whose probed cos-sim clears auto_threshold)",
+        minimum=0,
+        maximum=1,
+    )
+    weights: Literal["time", "index"] = field(
+        "time", help="interpolation weights: t-weights (correct) or index (ablation)"
+    )
+    no_interp: Literal["drop", "nearest"] = field(
+        "drop", help="no_interp variant: drop interior signals or hand them to the nearer endpoint"
+    )
+    stack_forwards: bool = field(
+        True,
+        help="one stacked endpoint forward (fast); false keeps the rollout's batch composition "
+        "so log-probs recompute bit for bit",
+    )
+    auto_threshold: float = field(
+        0.8, help="'auto': minimum cos-sim to route a window to jagg", minimum=-1, maximum=1
+    )
+    auto_every: int = field(10, help="'auto': re-probe every K rounds", minimum=1)
+    auto_probe_groups: int = field(
+        2, help="prompt groups in the probe batch (of 'auto' and of probe_every)", minimum=1
+    )
+    reuse_velocities: bool = field(
+        True,
+        help="on a round's on-policy optimizer step (weights still those that sampled the "
+        "rollout), take interior velocities from the rollout instead of recomputing them; "
+        "checked by value: a window whose recomputed endpoints differ from the stored ones "
+        "beyond the compute precision's rounding recomputes its interiors",
+    )
+    endpoint_backward: Literal["joint", "sequential"] = field(
+        "sequential",
+        help="'sequential': each window endpoint's forward and backward on its own (the "
+        "activation memory of exact, two backward calls); 'joint': one stacked forward and one "
+        "backward (two endpoints' activations alive at once)",
+    )
+    probe_every: int = field(
+        0,
+        help="also probe every window's cos-sim with the exact gradient every K rounds, for the "
+        "report's heatmap (0: only when 'auto' routing probes)",
+        minimum=0,
+    )
+
+    def engine_options(self) -> dict[str, Any]:
+        """The options every gradient-engine call of a run takes (training and probes)."""
+        return {
+            "anchors": self.anchors,
+            "weights": self.weights,
+            "no_interp": self.no_interp,
+            "stack_forwards": self.stack_forwards,
+            "endpoint_backward": self.endpoint_backward,
+        }
+
+
+@dataclass
+class TrainConfig:
+    """The optimiser and the round loop."""
+
+    # Rollout and evaluation honour it too, so it belongs to the backbone's section now.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"mixed_precision": "backbone.mixed_precision"}
+
+    rounds: int = field(30, help="training rounds (rollout -> score -> update)", minimum=1)
+    lr: float = field(
+        1e-4, help="AdamW learning rate (the toy world falls at 3e-4)", exclusive_minimum=0
+    )
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
+    weight_decay: float = field(0.0, help="AdamW weight decay", minimum=0)
+    grad_clip: float = field(1.0, help="max global grad norm (0: off)", minimum=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = field(
+        "constant", help="decay of the lr over all optimizer steps"
+    )
+    warmup_steps: int = field(0, help="linear warm-up steps", minimum=0)
+    minibatches: int = field(
+        1, help="optimizer steps per round (the round's groups are split)", minimum=1
+    )
+    ema_decay: float | None = field(
+        None,
+        help="decay of an EMA of the trained weights used for evaluation (null: none)",
+        minimum=0,
+        maximum=1,
+    )
+    nodes: int = field(
+        1,
+        help="nodes per training job: one torchrun agent per node under srun, joined by a c10d "
+        "rendezvous on the first (> 1 needs a cluster: --profile workflow/profiles/slurm)",
+        minimum=1,
+    )
+    nproc: int = field(
+        1, help="processes (GPUs) per node of a training job, under torchrun", minimum=1
+    )
+    allow_skipped_round: bool = field(
+        False,
+        help="write the checkpoint even when every optimizer step of a round was skipped "
+        "(non-finite loss or gradient); false: the round fails",
+    )
+    seed: int = field(0, help="seed of prompts, noise and everything else random", minimum=0)
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"train.betas: expected two numbers in [0, 1), got {self.betas}")
+
+    @property
+    def world_size(self) -> int:
+        """Training processes in all: ``nodes`` x ``nproc``."""
+        return self.nodes * self.nproc
+
+
+@dataclass
+class EvalConfig:
+    """Deterministic evaluation of a checkpoint."""
+
+    num_steps: int = field(20, help="ODE steps at evaluation", minimum=1)
+    prompts: str = field(
+        "toy:heldout", help="a prompt file, or 'toy:heldout' / 'toy:train' for the toy world"
+    )
+    column: str | None = field(None, help="column of a tabular prompt file")
+    max_prompts: int = field(39, help="evaluate at most this many prompts", minimum=1)
+    samples_per_prompt: int = field(2, help="images per prompt", minimum=1)
+    seed: int = field(
+        1234, help="seed of the evaluation noise (fixed across checkpoints)", minimum=0
+    )
+    metrics: list[str] = field(
+        default_factory=lambda: ["toy_attributes", "toy_clipscore"],
+        help="reward names reported as metrics (their settings come from the rewards section)",
+    )
+    every: int = field(10, help="evaluate every K rounds (and the last)", minimum=1)
+
+    def __post_init__(self) -> None:
+        for name in self.metrics:
+            if name not in REWARD_NAMES:
+                raise ValueError(
+                    f"eval.metrics: {name!r} is an unknown reward; known rewards: "
+                    f"{', '.join(REWARD_NAMES)}"
+                )
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go."""
+
+    backend: Literal["mlflow", "none"] = field("mlflow", help="mlflow or none")
+    uri: str = field("sqlite:///results/mlflow.db", help="MLflow tracking URI")
+    experiment: str = field("jagg-toy", help="MLflow experiment name")
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            raise ValueError("tracking.experiment: must not be empty")
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole experiment: every section, defaults filled."""
+
+    backbone: BackboneSpec = field(
+        default_factory=lambda: BackboneSpec(
+            family="sd3",
+            path="results/toyworld/sd3",
+            height=32,
+            width=32,
+            dtype="float32",
+            training="full",
+            max_sequence_length=16,
+        ),
+        help="the DiT checkpoint and how to drive it",
+    )
+    sampler: SamplerConfig = field(default_factory=SamplerConfig, help="rollout sampling")
+    advantage: AdvantageConfig = field(
+        default_factory=AdvantageConfig, help="group advantages (score stage)"
+    )
+    grpo: GRPOConfig = field(default_factory=GRPOConfig, help="policy loss (train stage)")
+    jagg: JaggConfig = field(default_factory=JaggConfig, help="gradient engine and routing")
+    rewards: RewardsSpec = field(
+        default_factory=lambda: RewardsSpec(weights={"toy_attributes": 1.0}),
+        help="training rewards and every reward model's settings",
+    )
+    train: TrainConfig = field(default_factory=TrainConfig, help="optimiser and rounds")
+    eval: EvalConfig = field(default_factory=EvalConfig, help="evaluation")
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, help="metrics tracking")
+
+    def __post_init__(self) -> None:
+        if not self.rewards.weights:
+            raise ValueError("rewards.weights: name at least one reward to train on")
+        trained = self.trained_steps_at_most()
+        if self.jagg.mode != "exact" and self.jagg.window > trained:
+            raise ValueError(
+                f"jagg.window: {self.jagg.window} is more than the {trained} trained steps of a "
+                "rollout (sampler.window_size, or trained_fraction of num_steps - 1 for 'full')"
+            )
+        sampler, train = self.sampler, self.train
+        groups_per_batch = sampler.batch_size // sampler.group_size
+        micro_batches = -(-sampler.prompts_per_round // groups_per_batch)
+        if micro_batches % train.minibatches:
+            raise ValueError(
+                f"train.minibatches: {train.minibatches} does not divide the rollout's "
+                f"{micro_batches} micro-batch(es) (sampler.prompts_per_round "
+                f"{sampler.prompts_per_round} groups, {groups_per_batch} per sampler.batch_size)"
+            )
+        if (micro_batches // train.minibatches) % train.world_size:
+            key = "train.nproc" if train.nodes == 1 else "train.nodes"
+            raise ValueError(
+                f"{key}: {train.world_size} processes (train.nodes {train.nodes} x "
+                f"train.nproc {train.nproc}) cannot share the "
+                f"{micro_batches // train.minibatches} micro-batch(es) of an optimizer step "
+                "evenly; change train.nodes, train.nproc, train.minibatches, "
+                "sampler.prompts_per_round or batch_size"
+            )
+
+    def trained_steps_at_most(self) -> int:
+        """The most trained steps a rollout of the sampler section can have."""
+        sampler = self.sampler
+        if sampler.trajectory == "window":
+            return sampler.window_size
+        return max(1, round(sampler.trained_fraction * (sampler.num_steps - 1)))
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read an experiment config strictly; errors name the file and the dotted key."""
+    return _load_yaml(ExperimentConfig, path, overrides)
+
+
+def from_mapping(data: dict) -> ExperimentConfig:
+    """Build an experiment config from already-parsed data (e.g. Snakemake's ``config``)."""
+    return from_dict(ExperimentConfig, data)
+
+
+def schema() -> dict:
+    """The JSON Schema (draft 2020-12) of the experiment config."""
+    return json_schema(ExperimentConfig)
+
+
+__all__ = [
+    "REWARD_NAMES",
+    "AdvantageConfig",
+    "BackboneDtype",
+    "BackboneFamily",
+    "BackboneSpec",
+    "ClipScoreSpec",
+    "ConfigError",
+    "EvalConfig",
+    "ExperimentConfig",
+    "GRPOConfig",
+    "HPSv21Spec",
+    "JaggConfig",
+    "JpegCompressibilitySpec",
+    "LoraSettings",
+    "PickScoreSpec",
+    "RewardDtype",
+    "RewardsSpec",
+    "SamplerConfig",
+    "ToyAttributesSpec",
+    "ToyClipScoreSpec",
+    "TrackingConfig",
+    "TrainConfig",
+    "TrainingMode",
+    "digest",
+    "from_mapping",
+    "load_config",
+    "schema",
+]

@@ -1,0 +1,1 @@
+"""Artifacts between stages: atomic files, manifests, shards, tables, prompts, figures."""

@@ -1,0 +1,111 @@
+"""Tables on disk: reading json/jsonl/csv/parquet rows and writing csv/jsonl/parquet atomically.
+
+Prompt files, image manifests and the per-sample score tables between the score and train
+stages all go through here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from jagg_pipeline.io.artifacts import atomic_output, atomic_write_text
+from jagg_pipeline.support.errors import InputError
+
+TABLE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+WRITE_SUFFIXES = (".csv", ".jsonl", ".parquet")
+
+
+class TableError(InputError):
+    """A table file is missing, malformed or lacks the requested column."""
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The UTF-8 text of file ``path``.
+
+    A missing or unreadable file, or bytes that are not UTF-8, are one TableError naming it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TableError(f"{path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start : err.start + 1]
+        raise TableError(
+            f"{path}: not UTF-8 text (byte {err.start} is {bad!r}); save the file as UTF-8"
+        ) from None
+    except OSError as err:
+        raise TableError(f"{path}: cannot read it ({err.strerror or err})") from None
+
+
+def read_table(path: str | os.PathLike[str]) -> list[Any]:
+    """Rows of a json/jsonl/csv/parquet file: dicts (or bare strings, for json/jsonl lists)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TableError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            rows = json.loads(read_text(path))
+        except json.JSONDecodeError as err:
+            raise TableError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(rows, list):
+            raise TableError(f"{path}: expected a JSON list, got {type(rows).__name__}")
+        return rows
+    if suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(read_text(path).splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise TableError(f"{path}:{number}: not valid JSON ({err})") from None
+        return rows
+    if suffix == ".csv":
+        try:
+            return list(csv.DictReader(io.StringIO(read_text(path), newline="")))
+        except csv.Error as err:
+            raise TableError(f"{path}: not valid CSV ({err})") from None
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise TableError(f"{path}: reading parquet needs pyarrow installed") from None
+        # One file: ParquetFile reads it without pyarrow.dataset, which imports pandas (0.3 s).
+        try:
+            return pq.ParquetFile(path).read().to_pylist()
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise TableError(f"{path}: not a readable parquet file ({err})") from None
+    raise TableError(f"{path}: unsupported table format; use one of {TABLE_SUFFIXES}")
+
+
+def write_table(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
+    """Write ``rows`` (dicts with the same keys) as csv, jsonl or parquet, by suffix, atomically."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in WRITE_SUFFIXES:
+        raise TableError(
+            f"{path}: cannot write {suffix or 'no suffix'}; use one of {WRITE_SUFFIXES}"
+        )
+    if not rows:
+        raise TableError(f"{path}: no rows to write")
+    if suffix == ".jsonl":
+        atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+    elif suffix == ".csv":
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(path, buffer.getvalue())
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with atomic_output(path) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+    return path

@@ -1,0 +1,1 @@
+"""Reading finished runs: the summary, the comparison page, MLflow tracking."""

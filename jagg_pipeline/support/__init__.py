@@ -1,0 +1,1 @@
+"""Shared basics every layer may use: error types, start-up helpers, timers."""

@@ -1,0 +1,1 @@
+"""The Snakemake workflow's Python side: experiments expanded into runs and files."""
