@@ -24,7 +24,7 @@ import torch
 
 from jagg_pipeline.bench.config import BENCH_BACKBONES
 from jagg_pipeline.bench.gradcheck import build_problem
-from jagg_pipeline.bench.gradcheck_config import GradcheckSettings
+from jagg_pipeline.bench.gradcheck_config import GradcheckConfig
 from jagg_pipeline.bench.measure import load_bench_backbone
 from jagg_pipeline.core import jagg
 from jagg_pipeline.core.objective import GRPOStepLoss
@@ -41,7 +41,7 @@ def measure(args: argparse.Namespace, rollout_in_bf16: bool) -> dict[str, float]
     sampler = load_bench_backbone(args.backbone, args.device, seed=args.seed)
     if rollout_in_bf16:
         sampler.compute_in_bf16()
-    settings = GradcheckSettings(
+    settings = GradcheckConfig(
         trajectory="sde", dtype="float32", num_steps=args.steps, batch=args.batch, window=4
     )
     problem = build_problem(settings, sampler)

@@ -639,7 +639,7 @@ def base_config_data(path: Path) -> dict[str, Any]:
 
 
 def config_with(base: dict[str, Any], overrides: Sequence[str]) -> Any:
-    """An ExperimentConfig of ``base`` with ``key=value`` overrides, validated."""
+    """An RunConfig of ``base`` with ``key=value`` overrides, validated."""
     from jagg_pipeline.config.run import from_mapping
     from jagg_pipeline.config.tools import apply_overrides
 

@@ -39,10 +39,10 @@ def float64():
 def toy_world(tmp_path_factory):
     """(directory, report) of the default toy world, built once per test session."""
     from jagg_pipeline.toyworld.build import build_toyworld
-    from jagg_pipeline.toyworld.config import BuildSettings
+    from jagg_pipeline.toyworld.config import BuildConfig
 
     out = tmp_path_factory.mktemp("toy-world")
-    return out, build_toyworld(out, BuildSettings(), progress=False)
+    return out, build_toyworld(out, BuildConfig(), progress=False)
 
 
 def toy_experiment(world, **sections):

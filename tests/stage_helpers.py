@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from jagg_pipeline.config.run import ExperimentConfig, load_config
+from jagg_pipeline.config.run import RunConfig, load_config
 from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE, save_tiny_pipeline
 
 EVAL_PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
@@ -78,7 +78,7 @@ def experiment(family: str, checkpoint: Path, eval_prompts: Path, **sections: An
 
 def write_experiment(
     path: Path, family: str, checkpoint: Path, **sections: Any
-) -> tuple[Path, ExperimentConfig]:
+) -> tuple[Path, RunConfig]:
     """Write the tiny experiment (and its eval prompt file) to ``path``; return it loaded."""
     prompts = write_prompts(path.parent / "eval_prompts.txt", EVAL_PROMPTS)
     path.write_text(yaml.safe_dump(experiment(family, checkpoint, prompts, **sections)))

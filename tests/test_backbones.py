@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jagg_pipeline.backbones import (
+    BackboneConfig,
     BackboneLoadError,
-    BackboneSpec,
-    LoraSettings,
+    LoraConfig,
     load_backbone,
 )
-from jagg_pipeline.bench.gradcheck import GradcheckSettings, run_gradcheck
+from jagg_pipeline.bench.gradcheck import GradcheckConfig, run_gradcheck
 from jagg_pipeline.cli import main
 from jagg_pipeline.core import jagg, sde
 from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
@@ -60,7 +60,7 @@ def load(checkpoints, family, **options):
         **({"guidance_scale": FLUX_GUIDANCE} if family == "flux" else {}),
         **options,
     }
-    return load_backbone(BackboneSpec(family, str(checkpoints[family][1]), **settings))
+    return load_backbone(BackboneConfig(family, str(checkpoints[family][1]), **settings))
 
 
 def run_pipeline(pipeline, family, cfg, output_type):
@@ -220,7 +220,7 @@ def test_qwenimage_last_block_text_stream_gets_no_gradient_and_stays_frozen(chec
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_lora_trains_only_adapters_and_round_trips(checkpoints, family, tmp_path):
-    settings = LoraSettings(rank=4)
+    settings = LoraConfig(rank=4)
     backbone = load(checkpoints, family, training="lora", lora=settings)
     names = [n for n, p in backbone.transformer.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
@@ -320,27 +320,27 @@ def test_cached_conditioning_drives_a_backbone_without_text_encoders(checkpoints
 def test_a_missing_checkpoint_fails_fast_naming_the_key(path, message):
     start = time.monotonic()
     with pytest.raises(BackboneLoadError, match=message) as error:
-        load_backbone(BackboneSpec("flux", path, key="policy.backbone"))
+        load_backbone(BackboneConfig("flux", path, key="policy.backbone"))
     assert time.monotonic() - start < 5
     assert "policy.backbone.path" in str(error.value)
 
 
 def test_wrong_checkpoints_give_clear_errors(checkpoints, tmp_path):
     with pytest.raises(BackboneLoadError, match=r"model_index\.json not found"):
-        load_backbone(BackboneSpec("sd3", str(tmp_path)))
+        load_backbone(BackboneConfig("sd3", str(tmp_path)))
     with pytest.raises(BackboneLoadError, match=r"FluxPipeline.*backbone\.family='sd3'"):
-        load_backbone(BackboneSpec("sd3", str(checkpoints["flux"][1])))
+        load_backbone(BackboneConfig("sd3", str(checkpoints["flux"][1])))
     partial = tmp_path / "partial"
     partial.mkdir()
     shutil.copy(checkpoints["sd3"][1] / "model_index.json", partial)
     with pytest.raises(BackboneLoadError, match="incomplete download"):
-        load_backbone(BackboneSpec("sd3", str(partial)))
+        load_backbone(BackboneConfig("sd3", str(partial)))
     with pytest.raises(ValueError, match=r"no guidance embedding.*backbone\.cfg_scale"):
         load(checkpoints, "sd3", guidance_scale=3.0)
     with pytest.raises(ValueError, match=r"backbone\.height: 30 is not a multiple of 16"):
         load(checkpoints, "flux", height=30)
     with pytest.raises(ValueError, match="unknown backbone family"):
-        load_backbone(BackboneSpec("unet", str(tmp_path)))
+        load_backbone(BackboneConfig("unet", str(tmp_path)))
 
 
 def test_qwenimage_rejects_a_tokenizer_that_misplaces_the_template_cut(checkpoints, tmp_path):
@@ -349,12 +349,12 @@ def test_qwenimage_rejects_a_tokenizer_that_misplaces_the_template_cut(checkpoin
     shutil.rmtree(copy / "tokenizer")
     qwen2_tokenizer(corpus=toy_captions()).save_pretrained(copy / "tokenizer")
     with pytest.raises(ValueError, match="not 34"):
-        load_backbone(BackboneSpec("qwenimage", str(copy), height=32, width=32, dtype="float32"))
+        load_backbone(BackboneConfig("qwenimage", str(copy), height=32, width=32, dtype="float32"))
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_gradcheck_runs_on_tiny_backbones(family):
-    settings = GradcheckSettings(
+    settings = GradcheckConfig(
         backbone=f"tiny-{family}", window=2, num_steps=4, batch=2, endpoint_backward="joint"
     )
     report = run_gradcheck(settings)
@@ -392,7 +392,7 @@ def test_a_hub_id_resolves_through_the_local_hub_cache(checkpoints, tmp_path, mo
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    spec = BackboneSpec("flux", "tiny-org/tiny-flux", height=32, width=32, dtype="float32")
+    spec = BackboneConfig("flux", "tiny-org/tiny-flux", height=32, width=32, dtype="float32")
     backbone = load_backbone(spec)
     assert backbone.path == repo / "snapshots" / commit
     reference = load(checkpoints, "flux", max_sequence_length=None, guidance_scale=None)
@@ -407,7 +407,7 @@ def test_an_adapter_with_dropout_samples_deterministically(checkpoints, family, 
     """A LoRA adapter saved with dropout 0.3 (a user's adapter): its Dropout modules stay in
     eval mode, so two rollouts of the loaded policy are byte-identical. (peft injects adapter
     modules in training mode, after the backbone was put in eval mode.)"""
-    trained = load(checkpoints, family, training="lora", lora=LoraSettings(rank=4))
+    trained = load(checkpoints, family, training="lora", lora=LoraConfig(rank=4))
     with torch.no_grad():  # a non-zero B, so that dropout on the adapter input would show
         for name, param in trained.transformer.named_parameters():
             if "lora_B" in name:
@@ -416,8 +416,8 @@ def test_an_adapter_with_dropout_samples_deterministically(checkpoints, family, 
     config_file = saved / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps(config | {"lora_dropout": 0.3}))
-    for training, settings in [("lora", LoraSettings(rank=4)), ("full", None)]:
-        backbone = load(checkpoints, family, training=training, lora=settings or LoraSettings())
+    for training, settings in [("lora", LoraConfig(rank=4)), ("full", None)]:
+        backbone = load(checkpoints, family, training=training, lora=settings or LoraConfig())
         backbone.load_lora(saved)
         dropouts = [m for m in backbone.transformer.modules() if isinstance(m, torch.nn.Dropout)]
         assert not any(m.training for m in dropouts)
@@ -430,13 +430,13 @@ def test_an_adapter_with_dropout_samples_deterministically(checkpoints, family, 
 
 
 def test_fresh_adapters_are_in_eval_mode(checkpoints):
-    backbone = load(checkpoints, "sd3", training="lora", lora=LoraSettings(rank=4))
+    backbone = load(checkpoints, "sd3", training="lora", lora=LoraConfig(rank=4))
     assert not any(m.training for m in backbone.transformer.modules())
 
 
 def test_lora_dropout_is_refused_naming_the_key_and_the_reason():
     with pytest.raises(ValueError, match=r"backbone\.lora\.dropout.*on-policy ratio"):
-        LoraSettings(dropout=0.3)
+        LoraConfig(dropout=0.3)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -464,4 +464,4 @@ def test_bf16_compute_equals_fsdp2_mixed_precision(checkpoints, family):
 
 def test_mixed_precision_over_float16_weights_is_refused_naming_both_keys(checkpoints):
     with pytest.raises(ValueError, match=r"backbone\.mixed_precision.*backbone\.dtype"):
-        BackboneSpec("sd3", "x", dtype="float16", mixed_precision="bf16")
+        BackboneConfig("sd3", "x", dtype="float16", mixed_precision="bf16")

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from jagg_pipeline.bench.config import BenchSettings
+from jagg_pipeline.bench.config import BenchConfig
 from jagg_pipeline.bench.measure import (
     Case,
     analytic_rows,
@@ -66,7 +66,7 @@ def test_shared_anchors_need_about_one_row_per_w_minus_one_steps(trained, rows, 
 
 @pytest.mark.slow
 def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
-    settings = BenchSettings(
+    settings = BenchConfig(
         backbones=["toy-flux"],
         sweep_backbone="toy-flux",
         windows=[4, 8],

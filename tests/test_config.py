@@ -10,13 +10,13 @@ import yaml
 
 from jagg_pipeline.config.run import (
     REWARD_NAMES,
+    BackboneConfig,
     BackboneDtype,
     BackboneFamily,
-    BackboneSpec,
-    ExperimentConfig,
-    LoraSettings,
+    LoraConfig,
     RewardDtype,
-    RewardsSpec,
+    RewardsConfig,
+    RunConfig,
     load_config,
     schema,
 )
@@ -43,9 +43,9 @@ def test_importing_the_config_imports_no_heavy_library():
 
 
 def test_default_config_round_trips_and_validates_against_its_schema():
-    default = ExperimentConfig()
+    default = RunConfig()
     data = to_dict(default)
-    assert from_dict(ExperimentConfig, data) == default
+    assert from_dict(RunConfig, data) == default
     jsonschema.Draft202012Validator(schema()).validate(data)
     assert "key" not in data["backbone"]  # code-only field stays out of files
 
@@ -78,8 +78,8 @@ def test_schema_and_dataclasses_agree_on_every_key():
             else:
                 assert prop["default"] == to_dict(value), f"{where}.{name}"
 
-    walk(ExperimentConfig(), spec, "config")
-    for section in (f.name for f in dataclasses.fields(ExperimentConfig)):
+    walk(RunConfig(), spec, "config")
+    for section in (f.name for f in dataclasses.fields(RunConfig)):
         assert any(key.startswith(f"config.{section}.") for key in seen), section
     assert "config.backbone.lora.rank" in seen
     assert all(f"config.rewards.{name}" in seen for name in REWARD_NAMES)
@@ -143,20 +143,20 @@ def test_yaml_numbers_without_a_dot_load_as_numbers(tmp_path):
 
 def test_code_built_sections_check_their_bounds_too():
     with pytest.raises(ConfigError, match=r"^policy\.backbone\.cfg_scale: 0\.5 is below"):
-        BackboneSpec("flux", "x", cfg_scale=0.5, key="policy.backbone")
+        BackboneConfig("flux", "x", cfg_scale=0.5, key="policy.backbone")
     with pytest.raises(ValueError, match=r"backbone\.dtype must be one of"):
-        BackboneSpec("flux", "x", dtype="float8")
+        BackboneConfig("flux", "x", dtype="float8")
     with pytest.raises(ConfigError, match=r"lora\.rank: 0 is below the minimum 1"):
-        LoraSettings(rank=0)
+        LoraConfig(rank=0)
     with pytest.raises(ValueError, match=r"rewards\.weights\.nope: unknown reward"):
-        RewardsSpec(weights={"nope": 1.0})
+        RewardsConfig(weights={"nope": 1.0})
     with pytest.raises(
         ValueError, match=r"rewards\.weights\.hpsv21: must be a finite number, got nan"
     ):
-        RewardsSpec(weights={"hpsv21": float("nan")})
+        RewardsConfig(weights={"hpsv21": float("nan")})
     with pytest.raises(ConfigError, match=r"rewards\.nope: unknown reward"):
-        RewardsSpec().spec("nope")
-    assert RewardsSpec().spec("jpeg_compressibility").quality == 95
+        RewardsConfig().spec("nope")
+    assert RewardsConfig().spec("jpeg_compressibility").quality == 95
 
 
 def test_config_types_agree_with_the_torch_side():
@@ -170,7 +170,7 @@ def test_config_types_agree_with_the_torch_side():
     assert tuple(reward_base.DTYPES) == get_args(RewardDtype)
     assert get_args(BackboneFamily) == BACKBONE_FAMILIES
     assert tuple(REWARDS) == REWARD_NAMES
-    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(RewardsSpec)}
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(RewardsConfig)}
     for name, info in REWARDS.items():
         assert helps[name] == info.summary, name  # the section's help is the module's summary
 
@@ -181,7 +181,7 @@ def test_yaml_overrides_and_errors_name_file_and_key(tmp_path):
     cfg = load_config(path, ["jagg.jagg_frac=auto", "sampler.group_size=4"])
     assert (cfg.jagg.mode, cfg.jagg.jagg_frac, cfg.train.rounds) == ("exact", "auto", 3)
     assert cfg.sampler.group_size == 4
-    assert digest(cfg) != digest(ExperimentConfig())
+    assert digest(cfg) != digest(RunConfig())
     path.write_text(yaml.safe_dump({"jagg": {"windw": 3}}))
     with pytest.raises(ConfigError, match=rf"{path}: jagg\.windw: unknown key"):
         load_config(path)
@@ -211,7 +211,7 @@ def test_config_cli_shows_resolved_yaml_and_schema(tmp_path, capsys):
     main(["config", "show", "--set", "jagg.mode=exact", "--out", str(out)])
     resolved = yaml.safe_load(out.read_text())
     assert resolved["jagg"]["mode"] == "exact"
-    assert load_config(out) == from_dict(ExperimentConfig, resolved)
+    assert load_config(out) == from_dict(RunConfig, resolved)
     main(["config", "schema"])
     assert '"$schema"' in capsys.readouterr().out
     assert main(["config", "show", "--set", "jagg.mode=fast"]) == 2
@@ -221,7 +221,7 @@ def test_config_cli_shows_resolved_yaml_and_schema(tmp_path, capsys):
 
 
 def test_gradcheck_counts_the_backward_calls_of_the_default_training_step():
-    from jagg_pipeline.bench.gradcheck_config import GradcheckSettings
+    from jagg_pipeline.bench.gradcheck_config import GradcheckConfig
     from jagg_pipeline.config.run import JaggConfig
 
-    assert GradcheckSettings().endpoint_backward == JaggConfig().endpoint_backward
+    assert GradcheckConfig().endpoint_backward == JaggConfig().endpoint_backward

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from jagg_pipeline.cli import main
-from jagg_pipeline.config.run import ExperimentConfig
+from jagg_pipeline.config.run import RunConfig
 from jagg_pipeline.config.tools import from_dict, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def test_config_show_of_the_workflow_config_prints_its_base_experiment(capsys):
     data = yaml.safe_load(CONFIG.read_text())
     del data["workflow"]
     assert "workflow" not in shown
-    assert shown == to_dict(from_dict(ExperimentConfig, data))
+    assert shown == to_dict(from_dict(RunConfig, data))
     assert main(["config", "show", "--config", str(CONFIG), "--set", "train.rounds=3"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["train"]["rounds"] == 3
 
@@ -146,7 +146,7 @@ def test_stage_commands_read_the_workflow_config_as_its_base(tmp_path, capsys):
     config = load_stage_config(CONFIG, ["train.rounds=3"])
     data = yaml.safe_load(CONFIG.read_text())
     assert config.train.rounds == 3
-    assert config.jagg == from_dict(ExperimentConfig, {"jagg": data["jagg"]}).jagg
+    assert config.jagg == from_dict(RunConfig, {"jagg": data["jagg"]}).jagg
     # The workflow section is still checked.
     path = tmp_path / "bad-workflow.yaml"
     path.write_text("train: {rounds: 2}\nworkflow: {resultz: x}\n")

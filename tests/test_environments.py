@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from workflow_helpers import ROOT
 
-from jagg_pipeline.workflow.experiments import Containers
+from jagg_pipeline.workflow.experiments import ContainersConfig
 
 RULE = re.compile(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", re.MULTILINE)
 DIRECTIVE = r"^    {name}:\n\s+(.+)$"
@@ -52,7 +52,7 @@ def test_every_rule_names_an_env_and_a_container_of_one_family_that_exist():
         assert env.is_file(), f"rule {name}: {env} does not exist"
         family = env.stem
         assert container == f"CONTAINERS.{family}", (name, container, family)
-        image = Path(getattr(Containers(), family))
+        image = Path(getattr(ContainersConfig(), family))
         assert (ROOT / image.with_suffix(".def")).is_file(), f"rule {name}: no recipe for {image}"
         assert (ROOT / "containers" / f"{family}.Dockerfile").is_file()
     assert {f.stem for f in (ROOT / "envs").glob("*.yaml")} == set(FAMILIES)

@@ -24,7 +24,7 @@ from train_helpers import REPO, launcher, subprocess_env
 
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.bench.measure import save_bench_backbone
-from jagg_pipeline.config.run import BackboneSpec
+from jagg_pipeline.config.run import BackboneConfig
 from jagg_pipeline.stages import distributed
 from jagg_pipeline.toyworld.models import toy_backbone_options
 
@@ -51,7 +51,7 @@ def checkpoints(tmp_path_factory) -> Path:
 def _load(checkpoints: Path, family: str, text: bool) -> Backbone:
     options = {**toy_backbone_options(family), "dtype": "float64"}
     path = str(checkpoints / family)
-    return load_backbone(BackboneSpec(path=path, load_text_encoders=text, **options))
+    return load_backbone(BackboneConfig(path=path, load_text_encoders=text, **options))
 
 
 def _loss(backbone: Backbone, index: list[int], batch: dict[str, Any]) -> torch.Tensor:

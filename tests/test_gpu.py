@@ -110,10 +110,10 @@ def test_fsdp2_over_nccl_on_every_gpu_equals_one_process(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_reused_velocities_equal_recomputed_ones_on_cuda(dtype):
     """The rollout's velocities are what the GPU recomputes at unchanged weights."""
-    from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+    from jagg_pipeline.bench.gradcheck import GradcheckConfig, build_problem
     from jagg_pipeline.bench.measure import load_bench_backbone
 
-    settings = GradcheckSettings(
+    settings = GradcheckConfig(
         backbone="tiny-flux", trajectory="sde", dtype=dtype, num_steps=9, batch=4, window=4
     )
     problem = build_problem(settings, load_bench_backbone("toy-flux", "cuda", dtype=dtype))
@@ -131,10 +131,10 @@ def test_reused_velocities_equal_recomputed_ones_on_cuda(dtype):
 
 def test_sequential_endpoint_backward_peaks_at_exact_memory_on_cuda():
     """torch.cuda.max_memory_allocated above the idle state, one update per mode, W = 4."""
-    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.config import BenchConfig
     from jagg_pipeline.bench.measure import Bench, Case, load_bench_backbone
 
-    settings = BenchSettings(device="cuda", batch=8, num_steps=13, window=4)
+    settings = BenchConfig(device="cuda", batch=8, num_steps=13, window=4)
     bench = Bench(load_bench_backbone("wide-flux", "cuda"), settings)
     peaks = {
         case.name: bench.peak_bytes(case)
@@ -151,10 +151,10 @@ def test_sequential_endpoint_backward_peaks_at_exact_memory_on_cuda():
 
 
 def test_bench_runs_on_cuda(tmp_path):
-    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.config import BenchConfig
     from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
 
-    settings = BenchSettings(
+    settings = BenchConfig(
         backbones=["toy-flux"],
         sweep_backbone="toy-flux",
         windows=[4],

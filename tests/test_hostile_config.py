@@ -522,7 +522,7 @@ def test_spaces_in_the_results_folder_and_the_interpreter_path_work(tmp_path):
 
 
 def test_evaluate_reads_its_prompts_before_loading_a_model(tmp_path, monkeypatch):
-    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import from_dict
     from jagg_pipeline.io.prompts import PromptFileError
     from jagg_pipeline.stages import policy
@@ -534,7 +534,7 @@ def test_evaluate_reads_its_prompts_before_loading_a_model(tmp_path, monkeypatch
     monkeypatch.setattr(policy, "load_policy", load_policy)
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"a cat\n\xff\xfe a dog\n")
-    config = from_dict(ExperimentConfig, {"eval": {"prompts": str(prompts)}})
+    config = from_dict(RunConfig, {"eval": {"prompts": str(prompts)}})
     with pytest.raises(PromptFileError, match=r"prompts\.txt: not UTF-8 text \(byte 6"):
         run_evaluate(config, "base", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+from jagg_pipeline.bench.gradcheck import GradcheckConfig, build_problem
 from jagg_pipeline.core import jagg, sde
 from jagg_pipeline.core.objective import recompute_log_probs
 
@@ -14,7 +14,7 @@ from jagg_pipeline.core.objective import recompute_log_probs
 def problem(**kw):
     settings = dict(dtype="float64", num_steps=12, batch=3)
     settings.update(kw)
-    return build_problem(GradcheckSettings(**settings))
+    return build_problem(GradcheckConfig(**settings))
 
 
 def window_grads(p, steps, mode, **options):

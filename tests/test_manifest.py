@@ -1,6 +1,6 @@
 import pytest
 
-from jagg_pipeline.config.run import ExperimentConfig
+from jagg_pipeline.config.run import RunConfig
 from jagg_pipeline.config.tools import from_dict
 from jagg_pipeline.io.manifest import (
     ManifestError,
@@ -13,7 +13,7 @@ from jagg_pipeline.io.manifest import (
 
 
 def test_directory_and_file_outputs_carry_manifests_that_consumers_check(tmp_path):
-    config = ExperimentConfig()
+    config = RunConfig()
     rollout = tmp_path / "rollout"
     rollout.mkdir()
     (rollout / "shard-0.safetensors").write_bytes(b"abc")
@@ -32,7 +32,7 @@ def test_directory_and_file_outputs_carry_manifests_that_consumers_check(tmp_pat
         scores, check_input(scores, stage="score", config=config), "rollouts", rollout
     )
 
-    other = from_dict(ExperimentConfig, {"sampler": {"num_steps": 12}})
+    other = from_dict(RunConfig, {"sampler": {"num_steps": 12}})
     with pytest.raises(
         ManifestError, match=rf"{rollout}: was made with a different config section sampler"
     ):

@@ -1,13 +1,13 @@
 import torch
 
 from jagg_pipeline.backbones import build_analytic
-from jagg_pipeline.bench.gradcheck import GradcheckSettings, build_problem
+from jagg_pipeline.bench.gradcheck import GradcheckConfig, build_problem
 from jagg_pipeline.core import grpo, sde
 from jagg_pipeline.core.objective import GRPOStepLoss
 
 
 def test_step_loss_sums_to_the_mean_ppo_loss_over_samples_and_steps():
-    p = build_problem(GradcheckSettings(backbone="mlp-dit", trajectory="sde", batch=3))
+    p = build_problem(GradcheckConfig(backbone="mlp-dit", trajectory="sde", batch=3))
     objective = p.objective()
     batch = p.latents.shape[0]
     total, per_sample = 0.0, []
@@ -24,7 +24,7 @@ def test_step_loss_sums_to_the_mean_ppo_loss_over_samples_and_steps():
 
 
 def test_kl_term_vanishes_at_the_reference_and_adds_the_gaussian_kl_elsewhere():
-    p = build_problem(GradcheckSettings(backbone="mlp-dit", trajectory="sde", batch=2))
+    p = build_problem(GradcheckConfig(backbone="mlp-dit", trajectory="sde", batch=2))
     other = build_analytic("mlp-dit", dtype=torch.float64, seed=7).module
     args = (p.latents, p.sigmas, p.old_log_probs, p.advantages, p.steps, p.coeffs, 1e-4)
     plain = GRPOStepLoss(*args)

@@ -57,7 +57,7 @@ EXPECTED = {
 }  # fmt: skip
 # The sections a preset writes out in full (no field silently left to a dataclass default).
 COMPLETE_SECTIONS = {
-    "backbone": config_module.BackboneSpec,
+    "backbone": config_module.BackboneConfig,
     "sampler": config_module.SamplerConfig,
     "advantage": config_module.AdvantageConfig,
     "grpo": config_module.GRPOConfig,
@@ -132,7 +132,7 @@ def test_preset_writes_every_key_of_its_sections(name):
         keys = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
         assert set(data[section]) == keys, (section, keys ^ set(data[section]))
     for reward in data["rewards"]["weights"]:
-        spec = type(config_module.RewardsSpec().spec(reward))
+        spec = type(config_module.RewardsConfig().spec(reward))
         assert set(data["rewards"][reward]) == {f.name for f in dataclasses.fields(spec)}
 
 

@@ -179,12 +179,12 @@ def test_tracking_reads_the_seconds_back_as_the_files_give_them_not_as_metrics()
 @pytest.fixture(scope="module")
 def quick_world(tmp_path_factory):
     from jagg_pipeline.toyworld.build import build_toyworld
-    from jagg_pipeline.toyworld.config import BuildSettings, ClipSettings, PretrainSettings
+    from jagg_pipeline.toyworld.config import BuildConfig, PretrainConfig, ToyClipConfig
 
     out = tmp_path_factory.mktemp("toyworld")
-    settings = BuildSettings(
-        pretrain=PretrainSettings(steps=2, batch=4, warmup=1),
-        clip=ClipSettings(steps=2, batch=8),
+    settings = BuildConfig(
+        pretrain=PretrainConfig(steps=2, batch=4, warmup=1),
+        clip=ToyClipConfig(steps=2, batch=8),
         eval_steps=2,
         eval_per_caption=1,
     )

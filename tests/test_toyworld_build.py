@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jagg_pipeline.backbones import BackboneSpec, load_backbone
+from jagg_pipeline.backbones import BackboneConfig, load_backbone
 from jagg_pipeline.rewards import load_reward, parse_spec
 from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.build import (
@@ -17,20 +17,20 @@ from jagg_pipeline.toyworld.build import (
 )
 from jagg_pipeline.toyworld.config import (
     TOY_FAMILIES,
-    BuildSettings,
-    ClipSettings,
-    PretrainSettings,
+    BuildConfig,
+    PretrainConfig,
+    ToyClipConfig,
 )
 from jagg_pipeline.toyworld.models import toy_backbone_options
 from jagg_pipeline.toyworld.text import vocabulary, word_tokenizer
 
 
 def quick(family="sd3", seed=0, steps=6):
-    return BuildSettings(
+    return BuildConfig(
         family=family,
         seed=seed,
-        pretrain=PretrainSettings(steps=steps, batch=4, warmup=2),
-        clip=ClipSettings(steps=4, batch=8, seed=seed),
+        pretrain=PretrainConfig(steps=steps, batch=4, warmup=2),
+        clip=ToyClipConfig(steps=4, batch=8, seed=seed),
         eval_steps=3,
         eval_per_caption=1,
     )
@@ -64,7 +64,7 @@ def test_build_writes_report_pictures_and_loadable_artifacts(quick_world):
     assert 0.0 <= report["clip"]["top1_16"] <= 1.0
 
     # The checkpoint loads through the ordinary adapter path and samples images.
-    backbone = load_backbone(BackboneSpec(path=str(out / "sd3"), **toy_backbone_options("sd3")))
+    backbone = load_backbone(BackboneConfig(path=str(out / "sd3"), **toy_backbone_options("sd3")))
     images = sample_images(backbone, ["a red circle on the left, white background"], 3, 0)
     assert images.shape == (1, 3, 32, 32) and images.dtype == torch.uint8
 
@@ -135,7 +135,7 @@ def test_a_build_finished_from_its_pretraining_writes_the_same_files(quick_world
 def test_every_family_builds_and_loads_through_its_adapter(family, tmp_path):
     report = build_toyworld(tmp_path, quick(family, steps=2), progress=False)
     assert report["family"] == family
-    spec = BackboneSpec(path=str(tmp_path / family), **toy_backbone_options(family))
+    spec = BackboneConfig(path=str(tmp_path / family), **toy_backbone_options(family))
     backbone = load_backbone(spec)
     images = sample_images(backbone, ["a blue square at the top, black background"], 2, 0)
     assert images.shape == (1, 3, 32, 32)

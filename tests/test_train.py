@@ -27,7 +27,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     write_config,
 )
 
-from jagg_pipeline.bench.gradcheck import GradcheckSettings, run_gradcheck
+from jagg_pipeline.bench.gradcheck import GradcheckConfig, run_gradcheck
 from jagg_pipeline.io.artifacts import staging_path
 from jagg_pipeline.io.manifest import ManifestError
 from jagg_pipeline.io.tables import read_table
@@ -139,7 +139,7 @@ def test_window_4_counts_4_backward_calls_per_exact_window_2_per_jagg(
     # The gradient diagnostic counts through the same accumulation loop: per micro-batch, the
     # same backward calls for the same trained steps, window and routing.
     report = run_gradcheck(
-        GradcheckSettings(
+        GradcheckConfig(
             backbone="tiny-sd3", window=4, num_steps=9, jagg_frac=0.5, trajectory="sde", batch=2
         )
     )

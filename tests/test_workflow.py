@@ -46,7 +46,7 @@ def test_committed_schema_is_the_packages():
 
 def test_config_yaml_sets_every_key_with_a_comment():
     """config.yaml spells out every key of the base sections, each with a comment above it."""
-    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import to_dict
 
     text = (ROOT / "config.yaml").read_text()
@@ -61,7 +61,7 @@ def test_config_yaml_sets_every_key_with_a_comment():
                 found |= keys(value, f"{prefix}{key}.")
         return found
 
-    assert keys(base) == keys(to_dict(ExperimentConfig()))
+    assert keys(base) == keys(to_dict(RunConfig()))
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("workflow:"))
     for i, line in enumerate(lines[:start]):

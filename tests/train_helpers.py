@@ -63,7 +63,7 @@ def config_data(checkpoint: Path, **sections: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_config(checkpoint: Path, **sections: dict[str, Any]):
-    """The :class:`ExperimentConfig` of :func:`config_data`."""
+    """The :class:`RunConfig` of :func:`config_data`."""
     from jagg_pipeline.config.run import from_mapping
 
     return from_mapping(config_data(checkpoint, **sections))
@@ -213,7 +213,7 @@ def base_rollout_fixture(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _worker(checkpoint: Path, out: Path) -> None:
-    from jagg_pipeline.backbones import BackboneSpec, load_backbone
+    from jagg_pipeline.backbones import BackboneConfig, load_backbone
     from jagg_pipeline.core import jagg
     from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
     from jagg_pipeline.core.sde import StepCoefficients
@@ -221,7 +221,7 @@ def _worker(checkpoint: Path, out: Path) -> None:
 
     torch.set_num_threads(1)
     counter = distributed.count_reduce_scatters()
-    spec = BackboneSpec(
+    spec = BackboneConfig(
         family="sd3",
         path=str(checkpoint),
         height=32,

@@ -106,11 +106,11 @@ def synthetic_run(
     rollout, score and train records, each evaluation's metrics and grid; values move with
     the round and ``shift``. For the tests of what reads runs back (summary, track, compare).
     """
-    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import from_dict, to_dict
     from jagg_pipeline.io.artifacts import evaluated_rounds
 
-    config = to_dict(ExperimentConfig())
+    config = to_dict(RunConfig())
     config["train"]["rounds"], config["eval"]["every"] = rounds, 2
     config["jagg"]["mode"] = mode
     if tracking is not None:
@@ -129,7 +129,7 @@ def synthetic_run(
         lines(records / "score.jsonl", {"stage": "score", **head, "total_mean": 0.3 + r + shift})
         times = {"time.forward": 1.0 + shift, "time.backward": 0.5, "time.optimizer": 0.1}
         lines(records / "train.jsonl", {"stage": "train", **head, "loss": 0.1 * r, **times})
-    resolved = from_dict(ExperimentConfig, config)
+    resolved = from_dict(RunConfig, config)
     for n in evaluated_rounds(resolved.train.rounds, resolved.eval.every):
         evaluation = folder / f"eval/trained-{n:04d}"
         value = 0.4 + 0.01 * n + shift

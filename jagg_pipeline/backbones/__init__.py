@@ -2,7 +2,7 @@
 
 Two kinds live here: the analytic diagnostic models that ``gradcheck`` and the gradient-core
 tests use, and the diffusers adapters (Flux, SD3, QwenImage) behind the :class:`Backbone`
-interface, chosen by ``BackboneSpec.family``. Family modules import diffusers, so they are
+interface, chosen by ``BackboneConfig.family``. Family modules import diffusers, so they are
 imported only when a family is loaded.
 """
 
@@ -19,7 +19,7 @@ from jagg_pipeline.backbones.analytic import (
     build_analytic,
 )
 from jagg_pipeline.backbones.base import Backbone, BackboneLoadError
-from jagg_pipeline.config.run import BackboneFamily, BackboneSpec, LoraSettings
+from jagg_pipeline.config.run import BackboneConfig, BackboneFamily, LoraConfig
 
 _FAMILIES = {
     "flux": ("jagg_pipeline.backbones.flux", "FluxBackbone"),
@@ -39,7 +39,7 @@ def backbone_class(family: str) -> type[Backbone]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_backbone(spec: BackboneSpec) -> Backbone:
+def load_backbone(spec: BackboneConfig) -> Backbone:
     """Load the checkpoint that ``spec`` names with its family's adapter."""
     return backbone_class(spec.family).load(spec)
 
@@ -50,9 +50,9 @@ __all__ = [
     "AffineVelocity",
     "AnalyticBackbone",
     "Backbone",
+    "BackboneConfig",
     "BackboneLoadError",
-    "BackboneSpec",
-    "LoraSettings",
+    "LoraConfig",
     "MlpDiT",
     "backbone_class",
     "build_analytic",

@@ -6,7 +6,7 @@ sigma schedule, initial noise, batched prompt conditioning, decoding, FSDP units
 fine-tuning and activation checkpointing. The family modules only say what differs (text
 encoders, the transformer call, latent layout); this module owns:
 
-- the error messages naming the keys of :class:`BackboneSpec`, the config section of a backbone
+- the error messages naming the keys of :class:`BackboneConfig`, the config section of a backbone
   (defined, torch-free, in :mod:`jagg_pipeline.config.run`);
 - resolving ``path`` to a local directory: an existing directory first, a hub id second (with
   ``HF_HUB_OFFLINE=1`` a missing model fails at once, naming the key to set);
@@ -33,7 +33,7 @@ from torch import nn
 
 from jagg_pipeline.backbones import lora
 from jagg_pipeline.config import sources
-from jagg_pipeline.config.run import BackboneDtype, BackboneSpec, TrainingMode
+from jagg_pipeline.config.run import BackboneConfig, BackboneDtype, TrainingMode
 from jagg_pipeline.config.sources import snapshot_dir
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import importing
@@ -81,7 +81,7 @@ class BackboneLoadError(InputError):
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(spec: BackboneSpec) -> Path:
+def resolve_checkpoint(spec: BackboneConfig) -> Path:
     """The local directory of ``spec.path``: an existing directory, else a hub id's snapshot.
 
     Hub snapshots are limited to the diffusers parts (:data:`HUB_PATTERNS`). Offline
@@ -97,7 +97,7 @@ def resolve_checkpoint(spec: BackboneSpec) -> Path:
     )
 
 
-def read_model_index(directory: Path, spec: BackboneSpec) -> dict[str, Any]:
+def read_model_index(directory: Path, spec: BackboneConfig) -> dict[str, Any]:
     """``model_index.json`` of a checkpoint, checked to be a checkpoint of ``spec.family``."""
     return sources.read_model_index(
         directory, f"{spec.key}.path", spec.path, spec.family, BackboneLoadError
@@ -178,7 +178,7 @@ class Backbone(ABC):
     default_cfg_rescale: ClassVar[bool] = False
     default_lora_targets: ClassVar[tuple[str, ...]]
 
-    def __init__(self, spec: BackboneSpec, components: dict[str, Any], path: Path) -> None:
+    def __init__(self, spec: BackboneConfig, components: dict[str, Any], path: Path) -> None:
         self.spec = spec
         self.path = path
         self.dtype = DTYPES[spec.dtype]
@@ -209,7 +209,7 @@ class Backbone(ABC):
         self.set_gradient_checkpointing(spec.gradient_checkpointing)
 
     @classmethod
-    def load(cls, spec: BackboneSpec) -> Backbone:
+    def load(cls, spec: BackboneConfig) -> Backbone:
         """Load the checkpoint ``spec.path`` (local directory first, hub id second).
 
         The directory is checked first (model_index.json, pipeline class, component folders)
@@ -318,7 +318,7 @@ class Backbone(ABC):
         scale = float(self.scheduler.config.num_train_timesteps)
         return (sigma * scale).to(dtype) / scale
 
-    def _guidance_value(self, spec: BackboneSpec) -> float | None:
+    def _guidance_value(self, spec: BackboneConfig) -> float | None:
         """The guidance-embedding value, or None if the transformer has no guidance embedding."""
         if self.transformer.config.get("guidance_embeds", False):
             return 3.5 if spec.guidance_scale is None else float(spec.guidance_scale)
@@ -424,7 +424,7 @@ class Backbone(ABC):
         return []
 
     def set_training_mode(
-        self, mode: TrainingMode, settings: lora.LoraSettings | None = None
+        self, mode: TrainingMode, settings: lora.LoraConfig | None = None
     ) -> None:
         """``full``: every live transformer parameter trains; ``lora``: adapters only.
 
@@ -439,7 +439,7 @@ class Backbone(ABC):
                 self.transformer.get_submodule(name).requires_grad_(False)
         elif mode == "lora":
             if not lora.has_lora(self.transformer):
-                settings = settings or lora.LoraSettings()
+                settings = settings or lora.LoraConfig()
                 targets = lora.target_modules(
                     self.transformer,
                     settings.targets or self.default_lora_targets,

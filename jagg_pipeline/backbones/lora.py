@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jagg_pipeline.config.run import LoraSettings  # the config type (torch-free); re-exported
+from jagg_pipeline.config.run import LoraConfig  # the config type (torch-free); re-exported
 
 ADAPTER_NAME = "default"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-__all__ = ["LoraSettings", "add_lora", "has_lora", "load_lora", "save_lora", "target_modules"]
+__all__ = ["LoraConfig", "add_lora", "has_lora", "load_lora", "save_lora", "target_modules"]
 
 
 def target_modules(
@@ -48,7 +48,7 @@ def target_modules(
     return names
 
 
-def add_lora(module: nn.Module, settings: LoraSettings, targets: Sequence[str]) -> None:
+def add_lora(module: nn.Module, settings: LoraConfig, targets: Sequence[str]) -> None:
     """Inject adapters into the layers named ``targets``; freeze every other parameter."""
     from peft import LoraConfig, inject_adapter_in_model
 

@@ -14,7 +14,7 @@ BENCH_BACKBONES: tuple[str, ...] = ("wide-flux", "toy-flux", "toy-sd3", "toy-qwe
 
 
 @dataclass
-class BenchSettings:
+class BenchConfig:
     """What the benchmark measures (defaults: the CPU table of docs/performance.md)."""
 
     backbones: list[str] = field(default_factory=lambda: list(BENCH_BACKBONES))

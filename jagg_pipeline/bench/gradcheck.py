@@ -28,7 +28,7 @@ from jagg_pipeline.bench.gradcheck_config import (
     BACKBONES,
     DTYPE_NAMES,
     TRAJECTORIES,
-    GradcheckSettings,
+    GradcheckConfig,
 )
 from jagg_pipeline.core import grpo, jagg, sde
 from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
@@ -58,7 +58,7 @@ def _chord_latents(
 class GradcheckProblem:
     """A trajectory batch with its GRPO objective: everything the engines need."""
 
-    settings: GradcheckSettings
+    settings: GradcheckConfig
     backbone: AnalyticBackbone | Backbone
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -143,7 +143,7 @@ class GradcheckProblem:
         return grad, result[0]
 
 
-def _tiny_backbone(settings: GradcheckSettings) -> Backbone:
+def _tiny_backbone(settings: GradcheckConfig) -> Backbone:
     """A tiny diffusers checkpoint built in a temporary directory, loaded by its adapter."""
     with tempfile.TemporaryDirectory(prefix="jagg-gradcheck-") as directory:
         return load_tiny_backbone(
@@ -151,9 +151,7 @@ def _tiny_backbone(settings: GradcheckSettings) -> Backbone:
         )
 
 
-def build_problem(
-    settings: GradcheckSettings, backbone: Backbone | None = None
-) -> GradcheckProblem:
+def build_problem(settings: GradcheckConfig, backbone: Backbone | None = None) -> GradcheckProblem:
     """The backbone, a trajectory batch on it and the GRPO data, all from ``settings.seed``.
 
     Analytic backbones use the static-shift schedule (``settings.shift``) and random
@@ -249,7 +247,7 @@ def _layout_report(
     }
 
 
-def run_gradcheck(settings: GradcheckSettings) -> dict[str, Any]:
+def run_gradcheck(settings: GradcheckConfig) -> dict[str, Any]:
     """Run the diagnostic on both anchor layouts at the same interpolation span (W steps).
 
     The report has ``windows``, ``backward_calls`` and ``trajectory`` for separate anchors

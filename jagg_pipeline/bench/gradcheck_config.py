@@ -15,7 +15,7 @@ DTYPE_NAMES: tuple[str, ...] = ("float32", "float64")
 
 
 @dataclass
-class GradcheckSettings:
+class GradcheckConfig:
     """Everything the diagnostic depends on (defaults: Flow-GRPO on an SD3.5-like schedule)."""
 
     backbone: str = "affine"

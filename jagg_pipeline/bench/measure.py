@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from jagg_pipeline.backbones import Backbone
-from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchSettings
+from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchConfig
 from jagg_pipeline.bench.gradcheck import GradcheckProblem, build_problem
-from jagg_pipeline.bench.gradcheck_config import GradcheckSettings
+from jagg_pipeline.bench.gradcheck_config import GradcheckConfig
 from jagg_pipeline.core import jagg, sde
 from jagg_pipeline.support.timing import ForwardClock
 
@@ -89,11 +89,11 @@ def load_saved_backbone(name: str, directory: str | Path, device: str, **spec: A
     ``spec``: backbone settings that replace the toy world's (``dtype="bfloat16"``, ...).
     """
     from jagg_pipeline.backbones import load_backbone
-    from jagg_pipeline.config.run import BackboneSpec
+    from jagg_pipeline.config.run import BackboneConfig
     from jagg_pipeline.toyworld.models import toy_backbone_options
 
     options = toy_backbone_options(name.split("-", 1)[1]) | spec
-    return load_backbone(BackboneSpec(path=str(directory), device=device, **options))
+    return load_backbone(BackboneConfig(path=str(directory), device=device, **options))
 
 
 def load_bench_backbone(name: str, device: str, seed: int = 0, **spec: Any) -> Backbone:
@@ -164,11 +164,11 @@ class SavedActivations:
 class Bench:
     """One backbone's trajectories, objective and optimizer; runs and times cases."""
 
-    def __init__(self, backbone: Backbone, settings: BenchSettings) -> None:
+    def __init__(self, backbone: Backbone, settings: BenchConfig) -> None:
         self.backbone = backbone
         self.settings = settings
         self.problem: GradcheckProblem = build_problem(
-            GradcheckSettings(
+            GradcheckConfig(
                 trajectory="sde",
                 dtype="float32",
                 num_steps=settings.num_steps,
@@ -261,7 +261,7 @@ class Bench:
         return {"rollout": rollout, "score": time.perf_counter() - start}
 
 
-def cases_for(name: str, settings: BenchSettings) -> list[Case]:
+def cases_for(name: str, settings: BenchConfig) -> list[Case]:
     """The headline cases on every backbone, plus the W x jagg_frac grid on the sweep one."""
     cases = headline_cases(settings.window)
     if name == settings.sweep_backbone:
@@ -309,7 +309,7 @@ def _stderr(message: str) -> None:
 
 def bench_backbone(
     name: str,
-    settings: BenchSettings,
+    settings: BenchConfig,
     progress: Callable[[str], None] = _stderr,
     sweep: bool = True,
 ) -> dict[str, Any]:
@@ -413,7 +413,7 @@ def device_name(device: str) -> str:
     return f"{model} (CPU, {torch.get_num_threads()} torch thread(s))"
 
 
-def count_reduce_scatters(settings: BenchSettings, backbone: str) -> dict[str, Any]:
+def count_reduce_scatters(settings: BenchConfig, backbone: str) -> dict[str, Any]:
     """FSDP2 reduce-scatters per optimizer step of each headline mode, and the group count.
 
     Runs :mod:`jagg_pipeline.bench.worker` on ``settings.ranks`` gloo processes (torchrun).
@@ -442,7 +442,7 @@ def count_reduce_scatters(settings: BenchSettings, backbone: str) -> dict[str, A
         return json.loads(out.read_text())
 
 
-def run_bench(settings: BenchSettings, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run_bench(settings: BenchConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole benchmark: every backbone's cases, the reduce-scatter counts, the device."""
     unknown = sorted(set(settings.backbones) - set(BENCH_BACKBONES))
     if unknown:

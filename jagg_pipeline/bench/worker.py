@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from jagg_pipeline.bench.config import BenchSettings
+from jagg_pipeline.bench.config import BenchConfig
 from jagg_pipeline.bench.measure import Bench, cases_for, load_saved_backbone
 from jagg_pipeline.stages import distributed
 
@@ -23,7 +23,7 @@ from jagg_pipeline.stages import distributed
 def main(argv: list[str]) -> None:
     """Run the count; rank 0 writes ``{world_size, groups, per_step}`` to OUT.json."""
     name, directory, window, batch, steps, out = argv
-    settings = BenchSettings(
+    settings = BenchConfig(
         backbones=[name],
         sweep_backbone="",
         window=int(window),

@@ -21,9 +21,9 @@ def _numbers(kind: type) -> Callable[[str], list]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
-    from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchSettings
+    from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchConfig
 
-    defaults = BenchSettings()
+    defaults = BenchConfig()
     p = sub.add_parser(
         "bench",
         help=HELP,
@@ -95,10 +95,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.bench.config import BenchSettings
+    from jagg_pipeline.bench.config import BenchConfig
     from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
 
-    settings = BenchSettings(
+    settings = BenchConfig(
         backbones=args.backbones,
         sweep_backbone=args.sweep_backbone,
         windows=args.windows,

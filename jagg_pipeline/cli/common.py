@@ -75,7 +75,7 @@ def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     :class:`~jagg_pipeline.config.tools.ConfigError` naming the file (or the override) and the
     dotted key.
     """
-    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import ConfigError, load_data, read_yaml
     from jagg_pipeline.workflow.experiments import WORKFLOW_KEY, split
 
@@ -87,7 +87,7 @@ def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
             data, _ = split(data)
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
-    return load_data(ExperimentConfig, data, str(path), overrides)
+    return load_data(RunConfig, data, str(path), overrides)
 
 
 def load_stage_config(path: Path, overrides: list[str]) -> Any:

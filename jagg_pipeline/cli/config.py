@@ -85,7 +85,7 @@ def _render(args: argparse.Namespace) -> str:
     import yaml
 
     from jagg_pipeline.cli.common import read_experiment_config
-    from jagg_pipeline.config.run import ExperimentConfig, from_mapping, schema
+    from jagg_pipeline.config.run import RunConfig, from_mapping, schema
     from jagg_pipeline.config.tools import apply_overrides, commented_yaml, to_dict
     from jagg_pipeline.workflow.experiments import workflow_schema
 
@@ -96,7 +96,7 @@ def _render(args: argparse.Namespace) -> str:
     elif args.set:
         config = from_mapping(apply_overrides({}, args.set))
     else:
-        config = ExperimentConfig()
+        config = RunConfig()
     data = to_dict(config)
     if args.what == "template":
         return commented_yaml(schema(), data)
@@ -117,7 +117,7 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     them. A file without a ``workflow`` section is an experiment config and checked as the
     base.
     """
-    from jagg_pipeline.config.run import ExperimentConfig, schema
+    from jagg_pipeline.config.run import RunConfig, schema
     from jagg_pipeline.config.tools import (
         ConfigError,
         apply_overrides,
@@ -165,7 +165,7 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     base_ok = all(clean(key) for key in base) and "(top level)" not in bad_keys
     if base_ok:
         try:
-            from_dict(ExperimentConfig, base, source=source)
+            from_dict(RunConfig, base, source=source)
         except ConfigError as err:
             errors.append(str(err))
             base_ok = False

@@ -29,10 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         BACKBONES,
         DTYPE_NAMES,
         TRAJECTORIES,
-        GradcheckSettings,
+        GradcheckConfig,
     )
 
-    defaults = GradcheckSettings()
+    defaults = GradcheckConfig()
     p = sub.add_parser(
         "gradcheck",
         help=HELP,
@@ -117,7 +117,7 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline.bench.gradcheck import (
-        GradcheckSettings,
+        GradcheckConfig,
         format_report,
         run_gradcheck,
         worst_rel_err,
@@ -125,7 +125,7 @@ def _run_gradcheck(args: argparse.Namespace) -> int:
     from jagg_pipeline.io.artifacts import atomic_write_json
 
     torch.set_num_threads(1)
-    settings = GradcheckSettings(
+    settings = GradcheckConfig(
         backbone=args.backbone,
         window=args.window,
         trajectory=args.trajectory,

@@ -41,10 +41,10 @@ def _reward_flag(text: str) -> tuple[str, float]:
 def _epilog() -> str:
     import typing
 
-    from jagg_pipeline.config.run import REWARD_NAMES, RewardsSpec
+    from jagg_pipeline.config.run import REWARD_NAMES, RewardsConfig
 
-    specs = typing.get_type_hints(RewardsSpec)
-    fields = {f.name: f for f in dataclasses.fields(RewardsSpec)}
+    specs = typing.get_type_hints(RewardsConfig)
+    fields = {f.name: f for f in dataclasses.fields(RewardsConfig)}
     lines = ["rewards (settings: --set rewards.NAME.FIELD=VALUE, or the rewards file):"]
     for name in REWARD_NAMES:
         lines.append(f"  {name}: {fields[name].metadata['help']}")

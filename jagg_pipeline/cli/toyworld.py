@@ -17,9 +17,9 @@ HELP = "build the embedded toy world: a pretrained toy DiT, the toy CLIP, a repo
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``toyworld`` subcommand."""
-    from jagg_pipeline.toyworld.config import TOY_FAMILIES, BuildSettings
+    from jagg_pipeline.toyworld.config import TOY_FAMILIES, BuildConfig
 
-    defaults = BuildSettings()
+    defaults = BuildConfig()
     p = sub.add_parser(
         "toyworld",
         help=HELP,
@@ -69,11 +69,11 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip, pretrain_backbone
-    from jagg_pipeline.toyworld.config import BuildSettings
+    from jagg_pipeline.toyworld.config import BuildConfig
 
     torch.set_num_threads(1)
-    defaults = BuildSettings()
-    settings = BuildSettings(
+    defaults = BuildConfig()
+    settings = BuildConfig(
         family=args.backbone,
         seed=args.seed,
         pretrain=dataclasses.replace(defaults.pretrain, steps=args.steps, batch=args.batch),

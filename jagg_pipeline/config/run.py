@@ -1,8 +1,8 @@
 """The experiment configuration: one typed dataclass per section, loaded strictly from YAML.
 
-Sections: ``backbone`` (:class:`BackboneSpec`, with its :class:`LoraSettings`), ``sampler``,
+Sections: ``backbone`` (:class:`BackboneConfig`, with its :class:`LoraConfig`), ``sampler``,
 ``advantage`` (read by the score stage only), ``grpo`` (the train stage's loss), ``jagg``,
-``rewards`` (:class:`RewardsSpec`, one field per registered reward), ``train``, ``eval``,
+``rewards`` (:class:`RewardsConfig`, one field per registered reward), ``train``, ``eval``,
 ``tracking``. The JSON Schema that Snakemake validates config.yaml against is derived from
 these classes (``python -m jagg_pipeline config schema``), so the two cannot drift apart.
 Defaults describe the embedded toy world.
@@ -48,7 +48,7 @@ PIXELS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class LoraConfig:
     """Rank, scale and placement of the LoRA adapters."""
 
     rank: int = field(16, help="adapter rank r", minimum=1)
@@ -82,7 +82,7 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class BackboneSpec:
+class BackboneConfig:
     """The ``backbone`` section: which checkpoint, and how to drive it."""
 
     family: BackboneFamily = field(help="model family, which picks the adapter")
@@ -126,7 +126,7 @@ class BackboneSpec:
     training: TrainingMode = field(
         "lora", help="'lora': train the adapters only; 'full': every transformer weight"
     )
-    lora: LoraSettings = field(default_factory=LoraSettings, help="the adapters of training 'lora'")
+    lora: LoraConfig = field(default_factory=LoraConfig, help="the adapters of training 'lora'")
     gradient_checkpointing: bool = field(
         False, help="activation checkpointing of the transformer (less memory, more compute)"
     )
@@ -170,7 +170,7 @@ _BATCH_HELP = "images per forward of the model"
 
 
 @dataclass
-class HPSv21Spec:
+class HPSv21Config:
     """``rewards.hpsv21``: the checkpoint and the open_clip architecture it belongs to."""
 
     checkpoint: str = field(
@@ -187,7 +187,7 @@ class HPSv21Spec:
 
 
 @dataclass
-class PickScoreSpec:
+class PickScoreConfig:
     """``rewards.pickscore``: where the model and its processor live, and how to run it."""
 
     model: str = field(
@@ -203,7 +203,7 @@ class PickScoreSpec:
 
 
 @dataclass
-class ClipScoreSpec:
+class ClipScoreConfig:
     """``rewards.clipscore``: where the model (and optionally its processor) live."""
 
     model: str = field(
@@ -218,7 +218,7 @@ class ClipScoreSpec:
 
 
 @dataclass
-class JpegCompressibilitySpec:
+class JpegCompressibilityConfig:
     """``rewards.jpeg_compressibility``: the JPEG quality."""
 
     quality: int = field(
@@ -230,14 +230,14 @@ class JpegCompressibilitySpec:
 
 
 @dataclass
-class ToyAttributesSpec:
+class ToyAttributesConfig:
     """``rewards.toy_attributes``: how many images to score at once."""
 
     batch_size: int = field(256, help="images scored at once", minimum=1)
 
 
 @dataclass
-class ToyClipScoreSpec:
+class ToyClipScoreConfig:
     """``rewards.toy_clipscore``: the toy CLIP directory (model and processor)."""
 
     model: str = field(
@@ -249,7 +249,7 @@ class ToyClipScoreSpec:
 
 
 @dataclass
-class RewardsSpec:
+class RewardsConfig:
     """The ``rewards:`` section: weights of the rewards that run, each model's settings.
 
     One field per registered reward, named by its ``NAME``, described by its summary.
@@ -264,30 +264,30 @@ class RewardsSpec:
     device: str | None = field(
         None, help="torch device of the reward models (null: backbone.device)"
     )
-    hpsv21: HPSv21Spec = field(
-        default_factory=HPSv21Spec,
+    hpsv21: HPSv21Config = field(
+        default_factory=HPSv21Config,
         help="HPSv2.1: open_clip ViT-H-14 + HPS v2.1 weights; cosine, no logit scale, in [-1, 1].",
     )
-    pickscore: PickScoreSpec = field(
-        default_factory=PickScoreSpec,
+    pickscore: PickScoreConfig = field(
+        default_factory=PickScoreConfig,
         help="PickScore: CLIP-H tuned on Pick-a-Pic; exp(logit_scale) * cosine (typically 18-24).",
     )
-    clipscore: ClipScoreSpec = field(
-        default_factory=ClipScoreSpec,
+    clipscore: ClipScoreConfig = field(
+        default_factory=ClipScoreConfig,
         help="CLIPScore: CLIP ViT-L/14, torchmetrics convention max(100 cos, 0), in [0, 100].",
     )
-    jpeg_compressibility: JpegCompressibilitySpec = field(
-        default_factory=JpegCompressibilitySpec,
+    jpeg_compressibility: JpegCompressibilityConfig = field(
+        default_factory=JpegCompressibilityConfig,
         help="JPEG compressibility (DDPO): minus the JPEG size in kB, in (-inf, 0]; prompt "
         "ignored.",
     )
-    toy_attributes: ToyAttributesSpec = field(
-        default_factory=ToyAttributesSpec,
+    toy_attributes: ToyAttributesConfig = field(
+        default_factory=ToyAttributesConfig,
         help="Toy attributes: whether an image shows its toy caption's shape, colour, "
         "position, background.",
     )
-    toy_clipscore: ToyClipScoreSpec = field(
-        default_factory=ToyClipScoreSpec,
+    toy_clipscore: ToyClipScoreConfig = field(
+        default_factory=ToyClipScoreConfig,
         help="Toy CLIPScore: CLIPScore (max(100 cos, 0), in [0, 100]) under the toy world's CLIP.",
     )
 
@@ -314,10 +314,10 @@ class RewardsSpec:
         return getattr(self, name)
 
 
-# The registered rewards, in registry order: every field of RewardsSpec but its options.
+# The registered rewards, in registry order: every field of RewardsConfig but its options.
 REWARD_NAMES: tuple[str, ...] = tuple(
     f.name
-    for f in fields(RewardsSpec)
+    for f in fields(RewardsConfig)
     if f.name not in ("weights", "normalize_separately", "device")
 )
 
@@ -586,11 +586,11 @@ class TrackingConfig:
 
 
 @dataclass
-class ExperimentConfig:
+class RunConfig:
     """A whole experiment: every section, defaults filled."""
 
-    backbone: BackboneSpec = field(
-        default_factory=lambda: BackboneSpec(
+    backbone: BackboneConfig = field(
+        default_factory=lambda: BackboneConfig(
             family="sd3",
             path="results/toyworld/sd3",
             height=32,
@@ -607,8 +607,8 @@ class ExperimentConfig:
     )
     grpo: GRPOConfig = field(default_factory=GRPOConfig, help="policy loss (train stage)")
     jagg: JaggConfig = field(default_factory=JaggConfig, help="gradient engine and routing")
-    rewards: RewardsSpec = field(
-        default_factory=lambda: RewardsSpec(weights={"toy_attributes": 1.0}),
+    rewards: RewardsConfig = field(
+        default_factory=lambda: RewardsConfig(weights={"toy_attributes": 1.0}),
         help="training rewards and every reward model's settings",
     )
     train: TrainConfig = field(default_factory=TrainConfig, help="optimiser and rounds")
@@ -651,42 +651,42 @@ class ExperimentConfig:
         return max(1, round(sampler.trained_fraction * (sampler.num_steps - 1)))
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read an experiment config strictly; errors name the file and the dotted key."""
-    return _load_yaml(ExperimentConfig, path, overrides)
+    return _load_yaml(RunConfig, path, overrides)
 
 
-def from_mapping(data: dict) -> ExperimentConfig:
+def from_mapping(data: dict) -> RunConfig:
     """Build an experiment config from already-parsed data (e.g. Snakemake's ``config``)."""
-    return from_dict(ExperimentConfig, data)
+    return from_dict(RunConfig, data)
 
 
 def schema() -> dict:
     """The JSON Schema (draft 2020-12) of the experiment config."""
-    return json_schema(ExperimentConfig)
+    return json_schema(RunConfig)
 
 
 __all__ = [
     "REWARD_NAMES",
     "AdvantageConfig",
+    "BackboneConfig",
     "BackboneDtype",
     "BackboneFamily",
-    "BackboneSpec",
-    "ClipScoreSpec",
+    "ClipScoreConfig",
     "ConfigError",
     "EvalConfig",
-    "ExperimentConfig",
     "GRPOConfig",
-    "HPSv21Spec",
+    "HPSv21Config",
     "JaggConfig",
-    "JpegCompressibilitySpec",
-    "LoraSettings",
-    "PickScoreSpec",
+    "JpegCompressibilityConfig",
+    "LoraConfig",
+    "PickScoreConfig",
     "RewardDtype",
-    "RewardsSpec",
+    "RewardsConfig",
+    "RunConfig",
     "SamplerConfig",
-    "ToyAttributesSpec",
-    "ToyClipScoreSpec",
+    "ToyAttributesConfig",
+    "ToyClipScoreConfig",
     "TrackingConfig",
     "TrainConfig",
     "TrainingMode",

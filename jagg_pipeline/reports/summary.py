@@ -108,10 +108,10 @@ def _expected(directory: Path, config: Mapping[str, Any]) -> tuple[list[int], li
     if not config or not (rounds or any(n > 0 for n in evaluations)):
         return rounds, evaluations
     # Imported here: the config dataclasses are needed only for a training run's shape.
-    from jagg_pipeline.config.run import ExperimentConfig
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import from_dict
 
-    resolved = from_dict(ExperimentConfig, config, source=str(directory / "config.yaml"))
+    resolved = from_dict(RunConfig, config, source=str(directory / "config.yaml"))
     rounds = resolved.train.rounds
     return list(range(rounds)), evaluated_rounds(rounds, resolved.eval.every)
 

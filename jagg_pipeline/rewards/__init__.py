@@ -18,7 +18,7 @@ from jagg_pipeline.rewards.multi import MultiReward, MultiRewardResult, combine_
 from jagg_pipeline.rewards.registry import (
     REWARDS,
     RewardInfo,
-    RewardsSpec,
+    RewardsConfig,
     load_reward,
     parse_rewards,
     parse_spec,
@@ -32,7 +32,7 @@ __all__ = [
     "RewardConfigError",
     "RewardFn",
     "RewardInfo",
-    "RewardsSpec",
+    "RewardsConfig",
     "check_batch",
     "combine_rewards",
     "load_reward",

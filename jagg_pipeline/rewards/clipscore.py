@@ -14,14 +14,14 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config.run import ClipScoreSpec
+from jagg_pipeline.config.run import ClipScoreConfig
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "clipscore"
 
 
-SPEC = ClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+SPEC = ClipScoreConfig  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def clipscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -29,7 +29,7 @@ def clipscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> tor
     return (100.0 * clip.cosine(images, prompts)).clamp(min=0.0)
 
 
-def load(spec: ClipScoreSpec, device: torch.device, name: str = NAME) -> RewardFn:
+def load(spec: ClipScoreConfig, device: torch.device, name: str = NAME) -> RewardFn:
     """Load the model and processor named by ``spec`` onto ``device``.
 
     ``name``: the reward's config name in errors (the toy CLIPScore reuses this loader).

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from jagg_pipeline.config.run import HPSv21Spec
+from jagg_pipeline.config.run import HPSv21Config
 from jagg_pipeline.config.sources import resolve_file
 from jagg_pipeline.rewards.base import (
     BatchedReward,
@@ -36,7 +36,7 @@ from jagg_pipeline.rewards.clip import paired_cosine
 NAME = "hpsv21"
 
 
-SPEC = HPSv21Spec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+SPEC = HPSv21Config  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 @dataclass
@@ -122,7 +122,7 @@ def _quiet_random_init_warning() -> Iterator[None]:
         root.removeFilter(keep)
 
 
-def load_open_clip(spec: HPSv21Spec, device: torch.device) -> OpenClipScorer:
+def load_open_clip(spec: HPSv21Config, device: torch.device) -> OpenClipScorer:
     """Build ``spec.arch`` without pretrained weights and load the HPS checkpoint into it."""
     import open_clip
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
@@ -162,7 +162,7 @@ def load_open_clip(spec: HPSv21Spec, device: torch.device) -> OpenClipScorer:
     )
 
 
-def load(spec: HPSv21Spec, device: torch.device) -> RewardFn:
+def load(spec: HPSv21Config, device: torch.device) -> RewardFn:
     """Load the HPSv2.1 scorer named by ``spec`` onto ``device``."""
     scorer = load_open_clip(spec, device)
     return BatchedReward(

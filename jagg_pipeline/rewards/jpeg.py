@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config.run import JpegCompressibilitySpec
+from jagg_pipeline.config.run import JpegCompressibilityConfig
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, to_uint8
 
 NAME = "jpeg_compressibility"
@@ -23,7 +23,7 @@ _CHUNK = 256
 
 
 SPEC = (
-    JpegCompressibilitySpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+    JpegCompressibilityConfig  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 )
 
 
@@ -47,7 +47,7 @@ def jpeg_compressibility(
     return -jpeg_kilobytes(images, quality)
 
 
-def load(spec: JpegCompressibilitySpec, device: torch.device) -> RewardFn:
+def load(spec: JpegCompressibilityConfig, device: torch.device) -> RewardFn:
     """The reward; ``device`` is ignored (encoding happens on the CPU).
 
     ``spec.quality`` is bounded to Pillow's useful range [1, 95] by the spec's field (checked

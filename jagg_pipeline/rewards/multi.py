@@ -17,7 +17,7 @@ import torch
 
 from jagg_pipeline.core.grpo import StdMode, group_advantages
 from jagg_pipeline.rewards.base import RewardFn
-from jagg_pipeline.rewards.registry import RewardsSpec, load_reward
+from jagg_pipeline.rewards.registry import RewardsConfig, load_reward
 
 
 @dataclass
@@ -90,7 +90,7 @@ class MultiReward:
 
     @classmethod
     def from_spec(
-        cls, spec: RewardsSpec, device: str | torch.device = "cpu", **advantage_options
+        cls, spec: RewardsConfig, device: str | torch.device = "cpu", **advantage_options
     ) -> MultiReward:
         """Load every weighted reward of a ``rewards:`` section onto ``device``."""
         rewards = {name: load_reward(name, spec.spec(name), device) for name in spec.weights}

@@ -13,14 +13,14 @@ from functools import partial
 
 import torch
 
-from jagg_pipeline.config.run import PickScoreSpec
+from jagg_pipeline.config.run import PickScoreConfig
 from jagg_pipeline.rewards.base import BatchedReward, RewardFn, resolve_dtype
 from jagg_pipeline.rewards.clip import HFClip, load_hf_clip
 
 NAME = "pickscore"
 
 
-SPEC = PickScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+SPEC = PickScoreConfig  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def pickscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -28,7 +28,7 @@ def pickscore(clip: HFClip, images: torch.Tensor, prompts: Sequence[str]) -> tor
     return clip.model.logit_scale.exp().float() * clip.cosine(images, prompts)
 
 
-def load(spec: PickScoreSpec, device: torch.device) -> RewardFn:
+def load(spec: PickScoreConfig, device: torch.device) -> RewardFn:
     """Load the model and processor named by ``spec`` onto ``device``."""
     dtype = resolve_dtype(NAME, spec.dtype)
     clip = load_hf_clip(NAME, spec.model, spec.processor, device, dtype)

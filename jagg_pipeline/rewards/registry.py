@@ -3,10 +3,10 @@
 A reward is one module exposing ``NAME`` (its registry and config name), ``SPEC`` (the plain
 dataclass of its settings, every field with a default) and ``load(spec, device) -> RewardFn``;
 its docstring's first line is its summary in ``--help``. The spec classes and the section type
-:class:`~jagg_pipeline.config.run.RewardsSpec` live in :mod:`jagg_pipeline.config.run`, which must
+:class:`~jagg_pipeline.config.run.RewardsConfig` live in :mod:`jagg_pipeline.config.run`, which must
 stay
 torch-free; adding a reward (e.g. the toy world's ``toy_attributes``) is one such module, its
-entry in ``_MODULES``, and its spec class plus its field in ``RewardsSpec`` there (checked at
+entry in ``_MODULES``, and its spec class plus its field in ``RewardsConfig`` there (checked at
 import below). Scorer modules import their heavy dependencies (open_clip, transformers) inside
 ``load``.
 
@@ -30,7 +30,7 @@ from typing import Any, get_type_hints
 
 import torch
 
-from jagg_pipeline.config.run import REWARD_NAMES, RewardsSpec
+from jagg_pipeline.config.run import REWARD_NAMES, RewardsConfig
 from jagg_pipeline.config.tools import ConfigError, check_bounds, from_dict
 from jagg_pipeline.rewards import (
     clipscore,
@@ -74,12 +74,12 @@ def _check_against_config() -> None:
     """The registry and the config's ``rewards`` section must list the same rewards and specs."""
     if tuple(REWARDS) != REWARD_NAMES:
         raise ImportError(f"registered rewards {tuple(REWARDS)} differ from {REWARD_NAMES}")
-    hints = get_type_hints(RewardsSpec)
+    hints = get_type_hints(RewardsConfig)
     for name, info in REWARDS.items():
         if info.spec_type is not hints[name]:
             raise ImportError(
                 f"reward {name}: SPEC {info.spec_type.__name__} is not the type of "
-                f"RewardsSpec.{name} ({hints[name].__name__})"
+                f"RewardsConfig.{name} ({hints[name].__name__})"
             )
 
 
@@ -114,15 +114,15 @@ def load_reward(name: str, spec: Any = None, device: str | torch.device = "cpu")
     return info.load(spec, torch.device(device))
 
 
-def parse_rewards(section: Mapping[str, Any]) -> RewardsSpec:
-    """Parse a ``rewards:`` mapping strictly into a :class:`RewardsSpec`; errors name the key.
+def parse_rewards(section: Mapping[str, Any]) -> RewardsConfig:
+    """Parse a ``rewards:`` mapping strictly into a :class:`RewardsConfig`; errors name the key.
 
     At least one reward must be weighted.
     """
     if not isinstance(section, Mapping):
         raise RewardConfigError(f"rewards: expected a mapping, got {section!r}")
     try:
-        spec = from_dict(RewardsSpec, section, prefix="rewards")
+        spec = from_dict(RewardsConfig, section, prefix="rewards")
     except ConfigError as err:
         raise RewardConfigError(str(err)) from None
     if not spec.weights:
@@ -136,7 +136,7 @@ def parse_rewards(section: Mapping[str, Any]) -> RewardsSpec:
 __all__ = [
     "REWARDS",
     "RewardInfo",
-    "RewardsSpec",
+    "RewardsConfig",
     "load_reward",
     "parse_rewards",
     "parse_spec",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jagg_pipeline.config.run import ToyAttributesSpec
+from jagg_pipeline.config.run import ToyAttributesConfig
 from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.rewards.base import BatchedReward, RewardConfigError, RewardFn, to_uint8
 
@@ -125,7 +125,7 @@ def score_attributes(images: torch.Tensor, captions: Sequence[str]) -> Attribute
     return AttributeScores(*parts, total=total)
 
 
-SPEC = ToyAttributesSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+SPEC = ToyAttributesConfig  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
 def toy_attributes(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -136,6 +136,6 @@ def toy_attributes(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor
         raise RewardConfigError(f"rewards.{NAME}: {err}") from None
 
 
-def load(spec: ToyAttributesSpec, device: torch.device) -> RewardFn:
+def load(spec: ToyAttributesConfig, device: torch.device) -> RewardFn:
     """The reward; it runs on the CPU whatever ``device`` is."""
     return BatchedReward(NAME, toy_attributes, torch.device("cpu"), spec.batch_size)

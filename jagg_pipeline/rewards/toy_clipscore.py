@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from jagg_pipeline.config.run import ClipScoreSpec, ToyClipScoreSpec
+from jagg_pipeline.config.run import ClipScoreConfig, ToyClipScoreConfig
 from jagg_pipeline.rewards import clipscore
 from jagg_pipeline.rewards.base import RewardFn
 
 NAME = "toy_clipscore"
 
 
-SPEC = ToyClipScoreSpec  # the settings type, defined (torch-free) in jagg_pipeline.config.run
+SPEC = ToyClipScoreConfig  # the settings type, defined (torch-free) in jagg_pipeline.config.run
 
 
-def load(spec: ToyClipScoreSpec, device: torch.device) -> RewardFn:
+def load(spec: ToyClipScoreConfig, device: torch.device) -> RewardFn:
     """Load the toy CLIP named by ``spec`` onto ``device``."""
-    shared = ClipScoreSpec(model=spec.model, dtype=spec.dtype, batch_size=spec.batch_size)
+    shared = ClipScoreConfig(model=spec.model, dtype=spec.dtype, batch_size=spec.batch_size)
     return clipscore.load(shared, device, name=NAME)

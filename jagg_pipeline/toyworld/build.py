@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from jagg_pipeline.backbones import BackboneSpec, backbone_class
+from jagg_pipeline.backbones import BackboneConfig, backbone_class
 from jagg_pipeline.backbones.base import Backbone
 from jagg_pipeline.config.tools import digest
 from jagg_pipeline.core import sde
@@ -46,7 +46,7 @@ from jagg_pipeline.toyworld.clip import (
     save_clip,
     train_clip,
 )
-from jagg_pipeline.toyworld.config import BuildSettings, ClipSettings
+from jagg_pipeline.toyworld.config import BuildConfig, ToyClipConfig
 from jagg_pipeline.toyworld.models import build_toy_pipeline, toy_backbone_options
 from jagg_pipeline.toyworld.pretrain import pretrain
 
@@ -85,7 +85,7 @@ def sample_images(backbone: Backbone, captions: list[str], steps: int, seed: int
     return to_uint8(backbone.decode(trajectory.latents[:, -1]))
 
 
-def ensure_clip(out: Path, settings: ClipSettings, progress: bool = True) -> dict[str, Any]:
+def ensure_clip(out: Path, settings: ToyClipConfig, progress: bool = True) -> dict[str, Any]:
     """Train and save the toy CLIP into ``out/clip`` unless a build with these settings is there."""
     final = out / "clip"
     wanted = digest(settings)
@@ -123,12 +123,12 @@ def staged_folder(out: str | Path, family: str) -> Path:
     return Path(out) / f"pretrain-{family}"
 
 
-def _eval_captions(settings: BuildSettings) -> list[str]:
+def _eval_captions(settings: BuildConfig) -> list[str]:
     """The held-out captions the report samples, each ``eval_per_caption`` times."""
     return [a.caption() for a in data.split()[1] for _ in range(settings.eval_per_caption)]
 
 
-def pretrain_backbone(out: str | Path, settings: BuildSettings, progress: bool = True) -> Path:
+def pretrain_backbone(out: str | Path, settings: BuildConfig, progress: bool = True) -> Path:
     """Pretrain ``settings.family`` into :func:`staged_folder`; returns that folder.
 
     It holds the pipeline as ``save_pretrained`` writes it (``pipeline/``), the report's
@@ -138,7 +138,7 @@ def pretrain_backbone(out: str | Path, settings: BuildSettings, progress: bool =
     out = Path(out)
     family = settings.family
     pipeline = build_toy_pipeline(family, settings.seed)
-    spec = BackboneSpec(path=str(out / family), **toy_backbone_options(family))
+    spec = BackboneConfig(path=str(out / family), **toy_backbone_options(family))
     backbone = backbone_class(family)(spec, dict(pipeline.components), out / family)
 
     captions = _eval_captions(settings)
@@ -164,7 +164,7 @@ def pretrain_backbone(out: str | Path, settings: BuildSettings, progress: bool =
 
 
 def finish_backbone(
-    out: str | Path, settings: BuildSettings, progress: bool = True
+    out: str | Path, settings: BuildConfig, progress: bool = True
 ) -> dict[str, Any]:
     """Score :func:`pretrain_backbone`'s samples, write the checkpoint and report; the report.
 
@@ -235,9 +235,7 @@ def finish_backbone(
     return report
 
 
-def build_toyworld(
-    out: str | Path, settings: BuildSettings, progress: bool = True
-) -> dict[str, Any]:
+def build_toyworld(out: str | Path, settings: BuildConfig, progress: bool = True) -> dict[str, Any]:
     """Build the CLIP (if needed) and the ``settings.family`` backbone; returns the report.
 
     Finishes from a :func:`pretrain_backbone` folder with these settings where there is one

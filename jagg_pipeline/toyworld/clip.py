@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from jagg_pipeline.rewards import toy_scene as data
-from jagg_pipeline.toyworld.config import ClipSettings
+from jagg_pipeline.toyworld.config import ToyClipConfig
 from jagg_pipeline.toyworld.text import word_tokenizer
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -34,7 +34,7 @@ class ClipResult:
     seconds: float = 0.0
 
 
-def build_clip(settings: ClipSettings) -> tuple[Any, Any]:
+def build_clip(settings: ToyClipConfig) -> tuple[Any, Any]:
     """A randomly initialised tiny ``CLIPModel`` and its ``CLIPProcessor``."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
@@ -89,7 +89,7 @@ def embed(model: Any, processor: Any, images: torch.Tensor, captions: list[str])
 
 
 def train_clip(
-    model: Any, processor: Any, settings: ClipSettings, progress: Any = None
+    model: Any, processor: Any, settings: ToyClipConfig, progress: Any = None
 ) -> ClipResult:
     """Symmetric InfoNCE on fresh toy pairs; duplicated captions in a batch are not negatives."""
     gen = torch.Generator().manual_seed(settings.seed)

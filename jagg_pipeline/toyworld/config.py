@@ -15,7 +15,7 @@ TOY_FAMILIES: tuple[str, ...] = ("sd3", "flux", "qwenimage")
 
 
 @dataclass
-class PretrainSettings:
+class PretrainConfig:
     """Budget and optimiser of one backbone's pretraining (calibrated on the toy world).
 
     Objects appear suddenly, after 800-1200 steps, and step count matters more than batch size
@@ -34,7 +34,7 @@ class PretrainSettings:
 
 
 @dataclass
-class ClipSettings:
+class ToyClipConfig:
     """Size and budget of the toy CLIP: 150k parameters, ~55 s, top-1 0.965 among 16 captions."""
 
     steps: int = 500
@@ -46,13 +46,13 @@ class ClipSettings:
 
 
 @dataclass
-class BuildSettings:
+class BuildConfig:
     """What to build and how long to train it."""
 
     family: str = "sd3"
     seed: int = 0
-    pretrain: PretrainSettings = field(default_factory=PretrainSettings)
-    clip: ClipSettings = field(default_factory=ClipSettings)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    clip: ToyClipConfig = field(default_factory=ToyClipConfig)
     eval_steps: int = 20
     eval_per_caption: int = 2
 

@@ -19,7 +19,7 @@ from torch import nn
 from jagg_pipeline.backbones.base import Backbone, pack_latents
 from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.codec import to_unit_range
-from jagg_pipeline.toyworld.config import PretrainSettings
+from jagg_pipeline.toyworld.config import PretrainConfig
 
 
 @dataclass
@@ -42,9 +42,7 @@ def _latents(backbone: Backbone, images: torch.Tensor) -> torch.Tensor:
     return pack_latents(latents) if backbone.packed else latents
 
 
-def pretrain(
-    backbone: Backbone, settings: PretrainSettings, progress: Any = None
-) -> PretrainResult:
+def pretrain(backbone: Backbone, settings: PretrainConfig, progress: Any = None) -> PretrainResult:
     """Train ``backbone`` in place (its modules end up holding the EMA weights)."""
     import time
 

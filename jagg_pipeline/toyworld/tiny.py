@@ -31,7 +31,7 @@ import torch
 
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.backbones.qwenimage import PROMPT_TEMPLATE
-from jagg_pipeline.config.run import BackboneSpec
+from jagg_pipeline.config.run import BackboneConfig
 from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES
 
 TINY_FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage")
@@ -413,7 +413,7 @@ def load_tiny_backbone(name: str, directory: str | Path, seed: int = 0, **spec: 
     """Build the tiny pipeline ``name`` (``tiny-flux``, ...) into ``directory`` and load it.
 
     The spec defaults fit the tiny models (32 x 32 images, float32, 16 T5 tokens, full
-    fine-tuning); keyword arguments override any :class:`BackboneSpec` field.
+    fine-tuning); keyword arguments override any :class:`BackboneConfig` field.
     """
     if name not in TINY_BACKBONES:
         raise ValueError(f"unknown tiny backbone {name!r}; choose from {TINY_BACKBONES}")
@@ -427,4 +427,4 @@ def load_tiny_backbone(name: str, directory: str | Path, seed: int = 0, **spec: 
         "training": "full",
         **spec,
     }
-    return load_backbone(BackboneSpec(family=family, path=str(directory), **options))
+    return load_backbone(BackboneConfig(family=family, path=str(directory), **options))

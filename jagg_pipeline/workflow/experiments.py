@@ -5,7 +5,7 @@ The Snakemake workflow's config is the package's sections (the *base* experiment
 (overrides of the base, e.g. ``jagg: {mode: exact}``), crossed with named groups of overrides
 (``cross``) and a sweep over one dotted key when given, each run for every seed; an evaluation
 is policies x prompt sets x seeds, evaluated without training. A run is one (target, variant,
-seed) with its fully resolved :class:`~jagg_pipeline.config.run.ExperimentConfig`. This module
+seed) with its fully resolved :class:`~jagg_pipeline.config.run.RunConfig`. This module
 owns that resolution, how config data is layered (:func:`merge`: sections merge key by key,
 every other value, a mapping of reward weights included, replaces), the run layout
 (``<results>/<target>/<variant>/seed-<s>/``), which rounds are evaluated and which keep their
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from jagg_pipeline.config.run import ExperimentConfig
+from jagg_pipeline.config.run import RunConfig
 from jagg_pipeline.config.sources import check_pipeline_dir
 from jagg_pipeline.config.tools import (
     SCHEMA_DIALECT,
@@ -81,7 +81,7 @@ WORKFLOW_RULES: tuple[str, ...] = (
 
 
 @dataclass
-class Sweep:
+class SweepConfig:
     """One key crossed over a list of values; each value becomes a variant ``<leaf>-<value>``."""
 
     key: str = field(help="dotted config key, e.g. jagg.jagg_frac")
@@ -89,7 +89,7 @@ class Sweep:
 
 
 @dataclass
-class Experiment:
+class ExperimentConfig:
     """A named target: variants (overrides of the base sections) x sweep values x seeds."""
 
     description: str = field("", help="one line shown in the workflow's summary")
@@ -108,11 +108,11 @@ class Experiment:
         "combination, named by its labels joined with '_' (a sweep over several keys: one "
         "group per key)",
     )
-    sweep: Sweep | None = field(None, help="crossed with every variant, when given")
+    sweep: SweepConfig | None = field(None, help="crossed with every variant, when given")
 
 
 @dataclass
-class Evaluation:
+class EvaluationConfig:
     """A named evaluation target: policies x prompt sets x seeds, scored, no training."""
 
     description: str = field("", help="one line shown in the workflow's summary")
@@ -138,7 +138,7 @@ class Evaluation:
 
 
 @dataclass
-class ToyWorld:
+class ToyWorldConfig:
     """Where the workflow builds the embedded toy world, and how long it pretrains."""
 
     root: str = field(
@@ -153,7 +153,7 @@ class ToyWorld:
 
 
 @dataclass
-class Containers:
+class ContainersConfig:
     """The image of each environment family: containers/<family>.def, envs/<family>.yaml."""
 
     pipeline: str = field(
@@ -173,15 +173,15 @@ class WorkflowConfig:
     """The ``workflow`` section: where results go and the experiments the targets run."""
 
     results: str = field("results", help="root of every run's outputs, logs and benchmarks")
-    toyworld: ToyWorld = field(default_factory=ToyWorld, help="the embedded toy world")
-    experiments: dict[str, Experiment] = field(
+    toyworld: ToyWorldConfig = field(default_factory=ToyWorldConfig, help="the embedded toy world")
+    experiments: dict[str, ExperimentConfig] = field(
         default_factory=dict, help="target name -> experiment"
     )
-    evaluations: dict[str, Evaluation] = field(
+    evaluations: dict[str, EvaluationConfig] = field(
         default_factory=dict, help="target name -> evaluation (no training)"
     )
-    containers: Containers = field(
-        default_factory=Containers,
+    containers: ContainersConfig = field(
+        default_factory=ContainersConfig,
         help="the images the rules run in under --sdm apptainer, per environment family",
     )
     report: list[str] = field(
@@ -237,7 +237,7 @@ class Run:
     experiment: str
     variant: str
     seed: int
-    config: ExperimentConfig
+    config: RunConfig
     overrides: dict[str, Any]
     directory: str
     policy: str | None = None
@@ -282,7 +282,7 @@ def _sections(cls: type) -> dict[str, type]:
 
 
 # A workflow config file: the experiment's sections and the workflow section.
-_FILE_SECTIONS = {**_sections(ExperimentConfig), WORKFLOW_KEY: WorkflowConfig}
+_FILE_SECTIONS = {**_sections(RunConfig), WORKFLOW_KEY: WorkflowConfig}
 
 
 def merge(
@@ -317,7 +317,7 @@ def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
     return merge(base, overrides, _EXPERIMENT_SECTIONS)
 
 
-_EXPERIMENT_SECTIONS = _sections(ExperimentConfig)
+_EXPERIMENT_SECTIONS = _sections(RunConfig)
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:
@@ -398,7 +398,7 @@ def _crossed(
     return result
 
 
-def _variants(name: str, experiment: Experiment) -> dict[str, dict[str, Any]]:
+def _variants(name: str, experiment: ExperimentConfig) -> dict[str, dict[str, Any]]:
     """Variant name -> its overrides (experiment overrides, variant, cross groups, sweep)."""
     where = f"{WORKFLOW_KEY}.experiments.{name}"
     seeds = f"{where}.seeds"
@@ -421,7 +421,7 @@ def _variants(name: str, experiment: Experiment) -> dict[str, dict[str, Any]]:
     }
 
 
-def _sweep_group(where: str, sweep: Sweep, seeds: str) -> dict[str, dict[str, Any]]:
+def _sweep_group(where: str, sweep: SweepConfig, seeds: str) -> dict[str, dict[str, Any]]:
     """The sweep as a group of labelled overrides: ``<leaf>-<value>`` -> the value at its key."""
     if sweep.key == "train.seed":
         raise ConfigError(
@@ -450,7 +450,7 @@ def _sweep_group(where: str, sweep: Sweep, seeds: str) -> dict[str, dict[str, An
     return group
 
 
-def _evaluation_variants(name: str, evaluation: Evaluation) -> dict[str, tuple[str, dict]]:
+def _evaluation_variants(name: str, evaluation: EvaluationConfig) -> dict[str, tuple[str, dict]]:
     """Variant name (``<policy>_<prompts>``) -> (the policy, its overrides)."""
     where = f"{WORKFLOW_KEY}.evaluations.{name}"
     seeds = f"{where}.seeds"
@@ -500,7 +500,7 @@ def check_target_name(kind: str, name: str, taken: Mapping[str, str] = {}) -> No
 def _resolve(base, workflow, target, variant, overrides, seed_key, seed, policy=None) -> Run:
     merged = _merge(_merge(base, overrides), _dotted(seed_key, seed))
     try:
-        config = from_dict(ExperimentConfig, merged)
+        config = from_dict(RunConfig, merged)
     except ConfigError as err:
         raise ConfigError(f"{target}.variants.{variant} (base + overrides): {err}") from None
     name = target.rsplit(".", 1)[-1]
@@ -515,7 +515,7 @@ def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
     """
     base, workflow = split(data)
     try:
-        from_dict(ExperimentConfig, base)
+        from_dict(RunConfig, base)
     except ConfigError as err:
         raise ConfigError(f"base sections: {err}") from None
     runs: dict[str, Run] = {}
@@ -576,7 +576,7 @@ def _refuse_twins(target: str, runs: Iterable[Run]) -> None:
         seen[key] = run.variant
 
 
-def toyworld_inputs(config: ExperimentConfig, root: str) -> dict[str, str]:
+def toyworld_inputs(config: RunConfig, root: str) -> dict[str, str]:
     """The toy-world builds (under ``root``, ``workflow.toyworld.root``) a config points at.
 
     ``toy_backbone`` when ``backbone.path`` is ``<root>/<family>``, ``toy_clip`` when a
@@ -671,7 +671,7 @@ def _input_problem(key: str, other: str, value: str, extra: str | None, root: st
     return None
 
 
-def kept_rounds(config: ExperimentConfig, keep_every: int | None) -> list[int]:
+def kept_rounds(config: RunConfig, keep_every: int | None) -> list[int]:
     """Training rounds whose checkpoint and rollout a run keeps (``workflow.keep_every``).
 
     None keeps every round. Else round ``r`` is kept when ``(r + 1) % keep_every == 0``, when
@@ -693,7 +693,7 @@ def _select(data: Mapping[str, Any], dotted: str) -> Any:
     return data
 
 
-def stage_digest(config: ExperimentConfig, stage: str) -> str:
+def stage_digest(config: RunConfig, stage: str) -> str:
     """Digest of exactly the sections (or keys) ``stage`` reads (:data:`STAGE_SECTIONS`)."""
     data = to_dict(config)
     return digest({key: _select(data, key) for key in STAGE_SECTIONS[stage]})
@@ -701,7 +701,7 @@ def stage_digest(config: ExperimentConfig, stage: str) -> str:
 
 def workflow_schema() -> dict[str, Any]:
     """The JSON Schema (2020-12) of a workflow config: the package's sections + ``workflow``."""
-    schema = json_schema(ExperimentConfig)
+    schema = json_schema(RunConfig)
     workflow = json_schema(WorkflowConfig)
     for key in ("$schema", "title"):
         workflow.pop(key)
