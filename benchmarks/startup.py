@@ -140,7 +140,7 @@ def job_argv(stage: str, config: Path, work: Path) -> list[str]:
     inputs = {
         "rollout": ["--policy", "base"],
         "score": rollouts,
-        "train": ["--policy", "base", *rollouts, "--rewards", folder["score"]],
+        "train": ["--policy", "base", *rollouts, "--scores", folder["score"]],
         "evaluate": ["--policy", "base"],
     }
     out = ["--config", str(config), "--out", folder[stage]]

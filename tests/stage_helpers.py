@@ -55,11 +55,11 @@ def experiment(family: str, checkpoint: Path, eval_prompts: Path, **sections: An
             "group_size": 2,
             "prompts_per_round": 3,
             "batch_size": 2,
-            "trajectory": "window",
-            "window_size": 2,
-            "window_start": [0, 1],
+            "trajectory": "segment",
+            "segment_steps": 2,
+            "segment_start": [0, 1],
         },
-        "jagg": {"window": 2},  # the SDE window's 2 trained steps
+        "jagg": {"window": 2},  # the SDE segment's 2 trained steps
         "rewards": {"weights": {"jpeg_compressibility": 1.0}},
         "eval": {
             "prompts": str(eval_prompts),

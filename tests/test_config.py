@@ -162,11 +162,11 @@ def test_code_built_sections_check_their_bounds_too():
 def test_config_types_agree_with_the_torch_side():
     """The registry, the dtype tables and the backbone families follow the config's types."""
     from jagg_pipeline.backbones import BACKBONE_FAMILIES
-    from jagg_pipeline.backbones import base as backbone_base
+    from jagg_pipeline.backbones import loading as backbone_loading
     from jagg_pipeline.rewards import REWARDS
     from jagg_pipeline.rewards import base as reward_base
 
-    assert tuple(backbone_base.DTYPES) == get_args(BackboneDtype)
+    assert tuple(backbone_loading.DTYPES) == get_args(BackboneDtype)
     assert tuple(reward_base.DTYPES) == get_args(RewardDtype)
     assert get_args(BackboneFamily) == BACKBONE_FAMILIES
     assert tuple(REWARDS) == REWARD_NAMES
@@ -190,7 +190,7 @@ def test_yaml_overrides_and_errors_name_file_and_key(tmp_path):
         ("jagg.jagg_frac=1.5", r"jagg\.jagg_frac: 1\.5 is above the maximum 1"),
         ("jagg.jagg_frac=half", r"jagg\.jagg_frac: 'half' fits none of"),
         ("sampler.group_size=1", r"sampler\.group_size: 1 is below the minimum 2"),
-        ("sampler.window_start=[2, 3]", r"window_size 8 exceeds num_steps 10"),
+        ("sampler.segment_start=[2, 3]", r"segment_steps 8 exceeds num_steps 10"),
         ("backbone.dtype=float8", r"backbone\.dtype: 'float8' is not one of"),
         ("backbone.family=unet", r"backbone\.family: 'unet' is not one of"),
         ("rewards.weights={nope: 1}", r"rewards\.weights\.nope: unknown reward"),

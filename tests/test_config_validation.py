@@ -43,11 +43,30 @@ BAD = {
         "above 0",
     ),
     "trained fraction 1.5": ("sampler: {trained_fraction: 1.5}", "sampler.trained_fraction", "max"),
-    "window start reversed": ("sampler: {window_start: [3, 1]}", "sampler.window_start", "lo, hi"),
-    "sde window past the end": (
-        "sampler: {num_steps: 6, window_size: 8}",
-        "sampler.window_start",
+    "segment start reversed": (
+        "sampler: {segment_start: [3, 1]}",
+        "sampler.segment_start",
+        "lo, hi",
+    ),
+    "sde segment past the end": (
+        "sampler: {num_steps: 6, segment_steps: 8}",
+        "sampler.segment_start",
         "exceeds num_steps",
+    ),
+    "old sde window size": (
+        "sampler: {window_size: 4}",
+        "sampler.window_size",
+        "window_size is now sampler.segment_steps",
+    ),
+    "old sde window start": (
+        "sampler: {window_start: [0, 1]}",
+        "sampler.window_start",
+        "window_start is now sampler.segment_start",
+    ),
+    "old trajectory name": (
+        "sampler: {trajectory: window}",
+        "sampler.trajectory",
+        "'window' is now called 'segment'",
     ),
     "step family": ("sampler: {step: ddim}", "sampler.step", "not one of"),
     "prompts per round zero": (
@@ -142,7 +161,16 @@ BAD = {
     ),
     "duplicated nested key": ("train:\n  lr: 0.001\n  lr: 0.01", "'lr'", "line 2"),
     "tracking backend": ("tracking: {backend: wandb}", "tracking.backend", "not one of"),
-    "tracking experiment empty": ("tracking: {experiment: ''}", "tracking.experiment", "empty"),
+    "tracking experiment empty": (
+        "tracking: {mlflow_experiment: ''}",
+        "tracking.mlflow_experiment",
+        "empty",
+    ),
+    "old mlflow experiment key": (
+        "tracking: {experiment: x}",
+        "tracking.experiment",
+        "experiment is now tracking.mlflow_experiment",
+    ),
 }
 
 

@@ -77,7 +77,7 @@ def test_two_processes_make_the_same_update_as_one(tiny_sd3, base_rollout, tmp_p
         rollouts, table = rollout
         args = ["--config", str(path), "--policy", str(policy), "--rollouts", str(rollouts)]
         out = tmp_path / name
-        run_train_command([*args, "--rewards", str(table), "--out", str(out)], nproc=nproc)
+        run_train_command([*args, "--scores", str(table), "--out", str(out)], nproc=nproc)
         return out
 
     one, two = train("base", base_rollout, "one", None), train("base", base_rollout, "two", 2)
@@ -129,7 +129,7 @@ def test_two_processes_are_reproducible_and_make_the_one_process_update(
     rollouts, table = train_helpers.scored_rollout(config, tmp_path / "r0")
     path = write_config(config, tmp_path / "config.yaml")
     args = ["--config", str(path), "--policy", "base", "--rollouts", str(rollouts)]
-    args += ["--rewards", str(table)]
+    args += ["--scores", str(table)]
     outs = {}
     for name, nproc in (("two-a", 2), ("two-b", 2), ("one", None)):
         outs[name] = tmp_path / name

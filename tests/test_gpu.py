@@ -23,9 +23,9 @@ SAMPLER = {
     "group_size": 4,
     "prompts_per_round": 4,
     "batch_size": 8,
-    "trajectory": "window",
-    "window_size": 4,
-    "window_start": [0, 0],
+    "trajectory": "segment",
+    "segment_steps": 4,
+    "segment_start": [0, 0],
 }
 PRECISIONS = {
     "bf16": {"dtype": "bfloat16"},
@@ -97,7 +97,7 @@ def test_fsdp2_over_nccl_on_every_gpu_equals_one_process(tmp_path):
     rollouts, scores, _ = run_round(config, tmp_path)
     config_file = write_config(config, tmp_path / "config.yaml")
     args = ["--config", str(config_file), "--policy", "base", "--rollouts", str(rollouts)]
-    args += ["--rewards", str(scores), "--out", str(tmp_path / "sharded")]
+    args += ["--scores", str(scores), "--out", str(tmp_path / "sharded")]
     command = [*launcher(gpus), "-m", "jagg_pipeline", "train", *args]
     done = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -152,7 +152,8 @@ def test_sequential_endpoint_backward_peaks_at_exact_memory_on_cuda():
 
 def test_bench_runs_on_cuda(tmp_path):
     from jagg_pipeline.bench.config import BenchConfig
-    from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
+    from jagg_pipeline.bench.measure import run_bench
+    from jagg_pipeline.bench.report import format_report, write_outputs
 
     settings = BenchConfig(
         backbones=["toy-flux"],

@@ -209,7 +209,7 @@ def test_a_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(
     shutil.copytree(first.checkpoint, target)
     before = digest_path(target)
     args = ["--config", str(write_config(config, tmp_path / "config.yaml")), "--policy", "base"]
-    args += ["--rollouts", str(rollouts), "--rewards", str(scores), "--out", str(target)]
+    args += ["--rollouts", str(rollouts), "--scores", str(scores), "--out", str(target)]
     from jagg_pipeline.cli import main
 
     with pytest.raises(SystemExit) as exited:
@@ -253,7 +253,7 @@ def test_sigkill_while_the_checkpoint_is_written_then_a_rerun_gives_the_same_che
     out = tmp_path / "ckpt"
     staging = staging_path(out)
     args = ["--config", str(write_config(config, tmp_path / "config.yaml")), "--policy", "base"]
-    args += ["--rollouts", str(rollouts), "--rewards", str(scores), "--out", str(out)]
+    args += ["--rollouts", str(rollouts), "--scores", str(scores), "--out", str(out)]
     command = [sys.executable, "-m", "jagg_pipeline", "train", *args]
     process = subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180

@@ -49,7 +49,7 @@ def _train_args(config: Path, rollout: tuple[Path, Path], out: Path) -> list[str
         "base",
         "--rollouts",
         str(rollouts),
-        "--rewards",
+        "--scores",
         str(scores),
         "--out",
         str(out),

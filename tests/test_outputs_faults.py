@@ -70,7 +70,7 @@ def test_a_run_with_a_gap_is_refused_naming_what_is_missing(tmp_path, gap):
     summary = _one_error_line(jagg("summarize", *runs, "--out", "summary", cwd=tmp_path))
     assert f"{missing}: missing" in summary
     assert not (tmp_path / "summary").exists()  # refused before writing anything
-    tracked = jagg("track", "--target", "all", *runs, "--out", "tracked.json", cwd=tmp_path)
+    tracked = jagg("track", "--experiment", "all", *runs, "--out", "tracked.json", cwd=tmp_path)
     assert f"{missing}: missing" in _one_error_line(tracked)
     assert not (tmp_path / "tracked.json").exists()
 

@@ -48,7 +48,7 @@ EXPECTED = {
         "flux", "black-forest-labs/FLUX.1-dev", ("hpsv21",), "dance_grpo", "full", 3, 2
     ),
     "sd35m-flowgrpofast-pickscore": Expected(
-        "sd3", "stabilityai/stable-diffusion-3.5-medium", ("pickscore",), "flow_grpo", "window",
+        "sd3", "stabilityai/stable-diffusion-3.5-medium", ("pickscore",), "flow_grpo", "segment",
         2, 1,
     ),
     "qwenimage-hpsv21-pickscore": Expected(
@@ -120,7 +120,7 @@ def test_preset_resolves_as_shipped_without_touching_a_file(name, tmp_path, monk
     trained = jagg.trained_steps_at_most()
     assert -(-trained // jagg.jagg.window) == expected.windows
     assert round(0.6 * expected.windows) == expected.routed
-    assert jagg.tracking.backend == "mlflow" and name in jagg.tracking.experiment
+    assert jagg.tracking.backend == "mlflow" and name in jagg.tracking.mlflow_experiment
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

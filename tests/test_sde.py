@@ -160,20 +160,20 @@ def test_full_trajectory_masks_exclude_the_last_step():
     assert part.trained_indices == again.trained_indices
 
 
-def test_window_masks_draw_the_start_in_range():
+def test_segment_masks_draw_the_start_in_range():
     starts = set()
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
-        masks = sde.window_masks(10, 3, (0, 4), gen)
+        masks = sde.segment_masks(10, 3, (0, 4), gen)
         idx = masks.trained_indices
         assert len(idx) == 3 and idx == list(range(idx[0], idx[0] + 3))
         assert torch.equal(masks.sde, masks.train)
         starts.add(idx[0])
     assert starts == {0, 1, 2, 3, 4}
-    last = sde.window_masks(10, 3, (7, 7))
+    last = sde.segment_masks(10, 3, (7, 7))
     assert last.trained_indices == [7, 8] and bool(last.sde[9])
     with pytest.raises(ValueError, match="does not fit"):
-        sde.window_masks(10, 3, (0, 8))
+        sde.segment_masks(10, 3, (0, 8))
 
 
 def test_per_sample_generators_make_each_sample_independent_of_its_batch():

@@ -76,7 +76,7 @@ def test_rollout_plan_seeds_masks_and_micro_batches(tmp_path, checkpoints):
     later = [plan_rollout(config, pool, round_index=r) for r in range(1, 6)]
     assert all(not set(p.seeds.tolist()) & set(plan.seeds.tolist()) for p in later)
     starts = {int(p.masks.sde.nonzero()[0]) for p in [plan, *later]}
-    assert starts == {0, 1}  # the window moves with the round, within window_start
+    assert starts == {0, 1}  # the window moves with the round, within segment_start
     for p in [plan, *later]:
         assert int(p.masks.sde.sum()) == 2 and torch.equal(p.masks.train, p.masks.sde)
 

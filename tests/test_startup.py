@@ -228,7 +228,7 @@ def test_toy_world_jobs_import_what_they_use_and_record_their_seconds(quick_worl
             tmp_path,
             "train",
             *base,
-            *("--policy", "base", "--rollouts", str(rollout), "--rewards", str(scores)),
+            *("--policy", "base", "--rollouts", str(rollout), "--scores", str(scores)),
             *("--out", str(checkpoint)),
         ),
         "evaluate": _job(tmp_path, "evaluate", *base, "--policy", "base", "--out", str(evaluation)),

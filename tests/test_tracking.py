@@ -176,7 +176,7 @@ def test_track_two_variants_at_once_reads_back_complete_and_never_duplicates(
         uri = f"sqlite:///{tmp_path / 'results/mlflow.db'}"
     runs = tracked_copy(reduced_all, tmp_path, uri)
     # Two processes at once, one variant each (a fresh store: both race to create it).
-    first = [cli(tmp_path, "track", "--target", "all", *run_args(runs, [v])) for v in VARIANTS]
+    first = [cli(tmp_path, "track", "--experiment", "all", *run_args(runs, [v])) for v in VARIANTS]
     for process in first:
         finish(process)
     tracked = read_back(uri)
@@ -206,7 +206,7 @@ def test_track_two_variants_at_once_reads_back_complete_and_never_duplicates(
         assert info.status == "FINISHED"
 
     # Again, both variants from one process: the same runs, not one point more.
-    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    finish(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     again = read_back(uri)
     assert {name: r[0].run_id for name, r in again.items()} == {
         name: r[0].run_id for name, r in tracked.items()
@@ -217,10 +217,10 @@ def test_track_two_variants_at_once_reads_back_complete_and_never_duplicates(
 def test_compare_reads_mlflow_back_and_its_html_images_load(reduced_all, tmp_path):
     uri = f"sqlite:///{tmp_path / 'results/mlflow.db'}"
     runs = tracked_copy(reduced_all, tmp_path, uri)
-    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    finish(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     out = tmp_path / "report"
     printed = finish(
-        cli(tmp_path, "compare", "--target", "all", *run_args(runs), "--out", str(out))
+        cli(tmp_path, "compare", "--experiment", "all", *run_args(runs), "--out", str(out))
     )
     assert "runs from MLflow" in printed
     # The same comparison as the files give (the summary rule's table).
@@ -337,7 +337,7 @@ def test_an_unreachable_server_fails_track_within_30_s_in_one_line(server, tmp_p
         uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
         runs = synthetic_runs(tmp_path, uri, "jagg-down")
         start = time.monotonic()
-        line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+        line = failed_in_one_line(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
         seconds = time.monotonic() - start
     assert seconds < 30, seconds
     assert f"MLflow tracking server {uri} cannot be used" in line, line
@@ -347,19 +347,19 @@ def test_an_unreachable_server_fails_track_within_30_s_in_one_line(server, tmp_p
 def test_a_damaged_or_empty_store_fails_naming_the_file(tmp_path):
     database = tmp_path / "results/mlflow.db"
     runs = synthetic_runs(tmp_path, f"sqlite:///{database}", "jagg-local")
-    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    finish(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     intact = database.read_bytes()
     database.write_bytes(intact[: len(intact) // 2])  # truncated
     start = time.monotonic()
-    line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    line = failed_in_one_line(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     assert time.monotonic() - start < 30
     assert f"{database}: the SQLite MLflow store" in line and "malformed" in line, line
     out = tmp_path / "report"
-    compare = cli(tmp_path, "compare", "--target", "all", *run_args(runs), "--out", str(out))
+    compare = cli(tmp_path, "compare", "--experiment", "all", *run_args(runs), "--out", str(out))
     assert f"{database}: the SQLite MLflow store" in failed_in_one_line(compare)
     assert not out.exists()
     database.write_bytes(b"")  # emptied: not silently made a new store
-    line = failed_in_one_line(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    line = failed_in_one_line(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     assert f"{database}: empty (0 bytes), not an MLflow store" in line, line
     assert database.stat().st_size == 0
 
@@ -372,7 +372,7 @@ def test_a_store_that_lost_pushed_runs_is_reported_not_started_anew(store, tmp_p
     uri = request.getfixturevalue("mlflow_server") if store == "server" else f"sqlite:///{database}"
     runs = synthetic_runs(tmp_path, uri, f"jagg-lost-{store}")
     out = tmp_path / "tracking/tracked.json"
-    push = ("track", "--target", "all", *run_args(runs), "--out", str(out))
+    push = ("track", "--experiment", "all", *run_args(runs), "--out", str(out))
     finish(cli(tmp_path, *push))
     ledger = out.with_name("pushed.json")
     assert set(json.loads(ledger.read_text())[uri][f"jagg-lost-{store}"]) == set(
@@ -394,14 +394,14 @@ def test_a_store_that_lost_pushed_runs_is_reported_not_started_anew(store, tmp_p
 
 def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_path):
     runs = synthetic_runs(tmp_path, mlflow_server, "jagg-rerun")
-    finish(cli(tmp_path, "track", "--target", "all", *run_args(runs)))
+    finish(cli(tmp_path, "track", "--experiment", "all", *run_args(runs)))
     first = read_back(mlflow_server, "jagg-rerun")
     # A rerun of jagg's training: other timings, so another update-stage figure.
     record = runs["jagg"] / "round-0001/metrics/train.jsonl"
     line = json.loads(record.read_text())
     line["time.forward"] += 0.5
     record.write_text(json.dumps(line) + "\n")
-    again = cli(tmp_path, "track", "--target", "all", *run_args(runs))
+    again = cli(tmp_path, "track", "--experiment", "all", *run_args(runs))
     _, err = again.communicate(timeout=120)
     assert again.returncode == 0, err[-3000:]
     assert "jagg/seed-0: its files changed since MLflow run" in err, err
@@ -413,7 +413,7 @@ def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_
         expected = metric_points(read_run(runs[variant], variant, 0))
         assert second[f"{variant}/seed-0"][3] == sorted(expected), variant
     # The page read back from MLflow and the summary read from the files agree.
-    finish(cli(tmp_path, "compare", "--target", "all", *run_args(runs), "--out", "report"))
+    finish(cli(tmp_path, "compare", "--experiment", "all", *run_args(runs), "--out", "report"))
     summary = ["summarize", "--title", "all", *run_args(runs), "--out", "summary"]
     finish(cli(tmp_path, *summary))
     page, files = (tmp_path / "report/table.md"), (tmp_path / "summary/table.md")

@@ -608,7 +608,7 @@ def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_
 
     out = tmp_path / "ckpt"
     args = ["--config", str(write_config(config, tmp_path / "config.yaml")), "--policy", "base"]
-    args += ["--rollouts", str(rollouts), "--rewards", str(table), "--out", str(out)]
+    args += ["--rollouts", str(rollouts), "--scores", str(table), "--out", str(out)]
     command = [*launcher(None), "-m", "jagg_pipeline", "train", *args]
     process = subprocess.Popen(
         command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -640,10 +640,14 @@ def test_train_command_documents_outputs_and_names_bad_inputs(tiny_sd3, tmp_path
         main(["train", "--help"])
     assert exit_help.value.code == 0
     text = capsys.readouterr().out
-    for word in ("--rollouts", "--rewards", "--policy", "torchrun", "metrics.jsonl", "routing"):
+    for word in ("--rollouts", "--scores", "--policy", "torchrun", "metrics.jsonl", "routing"):
         assert word in text
+    with pytest.raises(SystemExit) as renamed:  # the score folder's old flag names the new one
+        main(["train", "--rewards", str(tmp_path / "scores")])
+    assert renamed.value.code == 2
+    assert "--rewards is now --scores" in capsys.readouterr().err
     config = write_config(make_config(tiny_sd3), tmp_path / "config.yaml")
     missing = tmp_path / "nowhere"
     args = ["train", "--config", str(config), "--policy", "base", "--rollouts", str(missing)]
     with pytest.raises(SystemExit, match=f"error: .*{re.escape(str(missing))}"):
-        main([*args, "--rewards", str(tmp_path / "scores"), "--out", str(tmp_path / "o")])
+        main([*args, "--scores", str(tmp_path / "scores"), "--out", str(tmp_path / "o")])

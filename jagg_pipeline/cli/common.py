@@ -14,6 +14,19 @@ from pathlib import Path
 from typing import Any
 
 
+def renamed_option(new: str) -> type[argparse.Action]:
+    """An argparse action for a flag that was renamed: using it exits naming ``new``."""
+
+    class Renamed(argparse.Action):
+        def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+            super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+        def __call__(self, parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+            parser.error(f"{'/'.join(self.option_strings)} is now {new}")
+
+    return Renamed
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """``--config FILE`` and repeatable ``--set KEY.PATH=VALUE`` overrides."""
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""``compare``: one target's runs read back from MLflow (or their folders) into an HTML report."""
+"""``compare``: an experiment's runs read back from MLflow (or their folders) into HTML."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 
 from jagg_pipeline.cli.common import parse_runs, stage_errors
-from jagg_pipeline.cli.track import add_target_runs_arguments
+from jagg_pipeline.cli.track import add_experiment_runs_arguments
 
-HELP = "compare a target's runs from MLflow: index.html, table.md, curves/speed/cos-sim PNGs"
+HELP = "compare a experiment's runs from MLflow: index.html, table.md, curves/speed/cos-sim PNGs"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(per-window cos-sim vs round, when jagg_frac: auto or jagg.probe_every probed it)."
         ),
     )
-    add_target_runs_arguments(p)
+    add_experiment_runs_arguments(p)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     p.set_defaults(handler=_run)
 
@@ -51,17 +51,17 @@ def _run(args: argparse.Namespace) -> int:
         else:
             # Read only: a store or experiment that is not there is not created.
             tracker = open_tracker(tracking, create=False)
-            tracked = {t.tags.get("jagg_run_key"): t for t in tracker.runs(args.target)}
-            keys = [run_key(d, args.target, v, s) for v, s, d in runs]
+            tracked = {t.tags.get("jagg_run_key"): t for t in tracker.runs(args.experiment)}
+            keys = [run_key(d, args.experiment, v, s) for v, s, d in runs]
             missing = [key for key in keys if key not in tracked]
             if missing:
                 raise InputError(
-                    f"not in MLflow experiment {tracking.experiment!r} at "
+                    f"not in MLflow experiment {tracking.mlflow_experiment!r} at "
                     f"{tracking_uri(tracking)}: {', '.join(missing)}; push them with `track`"
                 )
             metrics = [run_metrics(tracked[key]) for key in keys]
-            source = f"MLflow ({tracking_uri(tracking)}, experiment {tracking.experiment})"
-        write_comparison(metrics, args.out, args.target, source)
+            source = f"MLflow ({tracking_uri(tracking)}, experiment {tracking.mlflow_experiment})"
+        write_comparison(metrics, args.out, args.experiment, source)
     print((args.out / "table.md").read_text())
     print(f"comparison written to {args.out}/index.html (runs from {source})")
     return 0

@@ -10,6 +10,7 @@ from jagg_pipeline.cli.common import (
     add_config_arguments,
     add_policy_argument,
     load_stage_config,
+    renamed_option,
     stage_errors,
 )
 
@@ -66,12 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="rollout directory sampled from --policy for this round (from `rollout`)",
     )
     p.add_argument(
-        "--rewards",
+        "--scores",
         type=Path,
         required=True,
         metavar="DIR",
         help="score folder of --rollouts (from `score --rollouts`)",
     )
+    p.add_argument("--rewards", action=renamed_option("--scores"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="checkpoint directory")
     p.set_defaults(handler=_run)
 
@@ -83,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():
         try:
-            result = train_round(config, args.policy, args.rollouts, args.rewards, args.out)
+            result = train_round(config, args.policy, args.rollouts, args.scores, args.out)
         except NonFiniteError as err:
             raise SystemExit(f"error: {err}") from None
     print(f"round {result.round} checkpoint written to {args.out}")

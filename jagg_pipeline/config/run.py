@@ -30,7 +30,7 @@ from jagg_pipeline.config.tools import (
 )
 from jagg_pipeline.config.tools import load_yaml as _load_yaml
 
-# The names of jagg_pipeline.backbones.base.DTYPES / jagg_pipeline.rewards.base.DTYPES (each
+# The names of jagg_pipeline.backbones.loading.DTYPES / jagg_pipeline.rewards.base.DTYPES (each
 # module checks at import that they agree).
 BackboneDtype = Literal["float32", "bfloat16", "float16", "float64"]
 BackboneFamily = Literal["flux", "sd3", "qwenimage"]
@@ -330,6 +330,13 @@ REWARD_NAMES: tuple[str, ...] = tuple(
 class SamplerConfig:
     """How rollouts are sampled: schedule, SDE family, group size, which steps are trained."""
 
+    # The SDE segment was called a window, a word that belongs to JAGG's W.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "window_size": "sampler.segment_steps",
+        "window_start": "sampler.segment_start",
+    }
+    MOVED_VALUES: ClassVar[dict[str, dict[Any, Any]]] = {"trajectory": {"window": "segment"}}
+
     prompts: str = field(
         "toy:train",
         help="training prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or "
@@ -352,9 +359,9 @@ class SamplerConfig:
     )
     prompts_per_round: int = field(8, help="prompts sampled per training round", minimum=1)
     batch_size: int = field(16, help="samples per network forward during rollout", minimum=1)
-    trajectory: Literal["full", "window"] = field(
-        "window",
-        help="'full': SDE on every step, train a selection; 'window': SDE on a window of "
+    trajectory: Literal["full", "segment"] = field(
+        "segment",
+        help="'full': SDE on every step, train a selection; 'segment': SDE on a segment of "
         "consecutive steps, ODE elsewhere (Flow-GRPO-Fast / MixGRPO)",
     )
     trained_fraction: float = field(
@@ -370,23 +377,26 @@ class SamplerConfig:
         "with interiors, in the compute dtype; none under mode exact, W = 2, jagg_frac 0, "
         "no_interp drop or jagg.reuse_velocities false)",
     )
-    window_size: int = field(8, help="'window' only: consecutive SDE steps", minimum=1)
-    window_start: list[int] = field(
+    segment_steps: int = field(8, help="'segment' only: consecutive SDE steps", minimum=1)
+    segment_start: list[int] = field(
         default_factory=lambda: [0, 0],
-        help="'window' only: inclusive [lo, hi] range of the window's random first step",
+        help="'segment' only: inclusive [lo, hi] range of the segment's random first step",
     )
 
     def __post_init__(self) -> None:
-        if len(self.window_start) != 2 or not 0 <= self.window_start[0] <= self.window_start[1]:
-            raise ValueError(f"sampler.window_start must be [lo, hi], got {self.window_start}")
+        if len(self.segment_start) != 2 or not 0 <= self.segment_start[0] <= self.segment_start[1]:
+            raise ValueError(f"sampler.segment_start must be [lo, hi], got {self.segment_start}")
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"sampler.batch_size: {self.batch_size} is not a multiple of sampler.group_size "
                 f"{self.group_size} (a rollout micro-batch holds whole prompt groups)"
             )
-        if self.trajectory == "window" and self.window_start[1] + self.window_size > self.num_steps:
+        if (
+            self.trajectory == "segment"
+            and self.segment_start[1] + self.segment_steps > self.num_steps
+        ):
             raise ValueError(
-                f"sampler.window_start {self.window_start} + window_size {self.window_size} "
+                f"sampler.segment_start {self.segment_start} + segment_steps {self.segment_steps} "
                 f"exceeds num_steps {self.num_steps}"
             )
 
@@ -412,7 +422,7 @@ class GRPOConfig:
 
     clip_range: float = field(
         1e-4,
-        help="PPO ratio clip e (1e-4 full trajectories, 1e-5 windows)",
+        help="PPO ratio clip e (1e-4 full trajectories, 1e-5 segments)",
         exclusive_minimum=0,
     )
     kl_beta: float = field(
@@ -578,11 +588,14 @@ class TrackingConfig:
 
     backend: Literal["mlflow", "none"] = field("mlflow", help="mlflow or none")
     uri: str = field("sqlite:///results/mlflow.db", help="MLflow tracking URI")
-    experiment: str = field("jagg-toy", help="MLflow experiment name")
+    mlflow_experiment: str = field("jagg-toy", help="MLflow experiment name")
+
+    # The MLflow experiment was called experiment, the word for a workflow target.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"experiment": "tracking.mlflow_experiment"}
 
     def __post_init__(self) -> None:
-        if not self.experiment.strip():
-            raise ValueError("tracking.experiment: must not be empty")
+        if not self.mlflow_experiment.strip():
+            raise ValueError("tracking.mlflow_experiment: must not be empty")
 
 
 @dataclass
@@ -622,7 +635,7 @@ class RunConfig:
         if self.jagg.mode != "exact" and self.jagg.window > trained:
             raise ValueError(
                 f"jagg.window: {self.jagg.window} is more than the {trained} trained steps of a "
-                "rollout (sampler.window_size, or trained_fraction of num_steps - 1 for 'full')"
+                "rollout (sampler.segment_steps, or trained_fraction of num_steps - 1 for 'full')"
             )
         sampler, train = self.sampler, self.train
         groups_per_batch = sampler.batch_size // sampler.group_size
@@ -646,8 +659,8 @@ class RunConfig:
     def trained_steps_at_most(self) -> int:
         """The most trained steps a rollout of the sampler section can have."""
         sampler = self.sampler
-        if sampler.trajectory == "window":
-            return sampler.window_size
+        if sampler.trajectory == "segment":
+            return sampler.segment_steps
         return max(1, round(sampler.trained_fraction * (sampler.num_steps - 1)))
 
 

@@ -220,6 +220,11 @@ def from_dict(
         default = getattr(base, name) if base is not None else _default_value(f)
         if name in data:
             key = f"{prefix}.{name}" if prefix else name
+            moved = getattr(cls, "MOVED_VALUES", {}).get(name, {})
+            if isinstance(data[name], Hashable) and data[name] in moved:
+                raise ConfigError(
+                    f"{_where(key, source)}: {data[name]!r} is now called {moved[data[name]]!r}"
+                )
             nested_base = default if dataclasses.is_dataclass(default) else None
             kwargs[name] = _check(data[name], hints[name], key, source, nested_base)
             problem = _bound_error(kwargs[name], f.metadata)

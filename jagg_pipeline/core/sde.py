@@ -261,32 +261,32 @@ def full_trajectory_masks(
     return StepMasks(sde=sde, train=train)
 
 
-def window_masks(
+def segment_masks(
     num_steps: int,
-    window_size: int,
+    segment_steps: int,
     start_range: tuple[int, int],
     generator: torch.Generator | None = None,
 ) -> StepMasks:
-    """A window of ``window_size`` consecutive SDE steps, ODE elsewhere (Flow-GRPO-Fast/MixGRPO).
+    """A segment of ``segment_steps`` consecutive SDE steps, ODE elsewhere (Flow-GRPO-Fast/MixGRPO).
 
-    The start is drawn uniformly from the inclusive ``start_range``; only window steps are
+    The start is drawn uniformly from the inclusive ``start_range``; only segment steps are
     trained, and never the last step of the trajectory.
     """
     lo, hi = start_range
-    if window_size < 1:
-        raise ValueError(f"window_size must be >= 1, got {window_size}")
-    if not 0 <= lo <= hi or hi + window_size > num_steps:
+    if segment_steps < 1:
+        raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
+    if not 0 <= lo <= hi or hi + segment_steps > num_steps:
         raise ValueError(
-            f"start_range {start_range} with window_size {window_size} does not fit in "
-            f"{num_steps} steps (need 0 <= lo <= hi and hi + window_size <= num_steps)"
+            f"start_range {start_range} with segment_steps {segment_steps} does not fit in "
+            f"{num_steps} steps (need 0 <= lo <= hi and hi + segment_steps <= num_steps)"
         )
     start = int(torch.randint(lo, hi + 1, (1,), generator=generator))
     sde = torch.zeros(num_steps, dtype=torch.bool)
-    sde[start : start + window_size] = True
+    sde[start : start + segment_steps] = True
     train = sde.clone()
     train[num_steps - 1] = False
     if not train.any():
-        raise ValueError("the window covers only the last step, which is never trained")
+        raise ValueError("the segment covers only the last step, which is never trained")
     return StepMasks(sde=sde, train=train)
 
 

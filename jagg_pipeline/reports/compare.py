@@ -1,4 +1,4 @@
-"""The comparison report of one target's runs: an HTML page with PNG plots and a markdown table.
+"""The comparison report of one experiment's runs: an HTML page with PNG plots and a markdown table.
 
 Runs come from the tracker (read back from MLflow, as
 :func:`jagg_pipeline.reports.tracking.run_metrics`

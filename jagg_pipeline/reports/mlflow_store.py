@@ -1,11 +1,11 @@
 """The MLflow tracker: the only module of the package that imports mlflow.
 
-Layout: one MLflow experiment per ``tracking.experiment``; in it a parent run per workflow
-target (tag ``jagg_parent``) and one child run per variant and seed (tag ``jagg_run_key``).
+Layout: one MLflow experiment per ``tracking.mlflow_experiment``; in it a parent run per workflow
+experiment (tag ``jagg_parent``) and one child run per variant and seed (tag ``jagg_run_key``).
 Pushing is idempotent: runs are found by their tags, params are set once, and only metric
 points (key, step) not yet in the run are logged. Two processes pushing different runs at
 once are safe: experiment creation tolerates losing the race, and when two parents of one
-target appear the oldest wins and the other is deleted. A ``sqlite:`` store is additionally
+experiment appear the oldest wins and the other is deleted. A ``sqlite:`` store is additionally
 serialised with a file lock beside the database (SQLite allows one writer; on a shared
 filesystem across nodes use a server instead).
 
@@ -81,9 +81,9 @@ class MlflowTracker:
     experiment that is not there has no runs (and nothing is written).
     """
 
-    def __init__(self, uri: str, experiment: str, create: bool = True) -> None:
+    def __init__(self, uri: str, mlflow_experiment: str, create: bool = True) -> None:
         self.uri = uri
-        self.name = experiment
+        self.name = mlflow_experiment
         self.database = sqlite_file(uri)
         self.client: MlflowClient | None = None
         self.experiment_id: str | None = None
@@ -103,11 +103,11 @@ class MlflowTracker:
         # A new SQLite store migrates its schema on first use: one process at a time.
         with self._lock(), self._store_errors():
             self.client = MlflowClient(tracking_uri=uri)
-            found = self.client.get_experiment_by_name(experiment)
+            found = self.client.get_experiment_by_name(mlflow_experiment)
             if found is not None:
                 self.experiment_id = found.experiment_id
             elif create:
-                self.experiment_id = self._create_experiment(experiment)
+                self.experiment_id = self._create_experiment(mlflow_experiment)
 
     @contextlib.contextmanager
     def _store_errors(self) -> Iterator[None]:
@@ -164,12 +164,12 @@ class MlflowTracker:
         )
 
     def _parent(self, record: RunRecord) -> str:
-        runs = self._search(PARENT_TAG, record.target)
+        runs = self._search(PARENT_TAG, record.experiment)
         if not runs:
-            tags = {PARENT_TAG: record.target, "jagg_target": record.target}
+            tags = {PARENT_TAG: record.experiment, "jagg_target": record.experiment}
             tags |= {k: record.tags[k] for k in PARENT_TAGS if k in record.tags}
-            self.client.create_run(self.experiment_id, tags=tags, run_name=record.target)
-            runs = self._search(PARENT_TAG, record.target)
+            self.client.create_run(self.experiment_id, tags=tags, run_name=record.experiment)
+            runs = self._search(PARENT_TAG, record.experiment)
         winner, *losers = sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
         for loser in losers:  # a concurrent push created one too
             with contextlib.suppress(MlflowException):
@@ -206,7 +206,7 @@ class MlflowTracker:
         return None
 
     def push(self, record: RunRecord, parent_files: Sequence[Path] = ()) -> str:
-        """Create or update the run of ``record`` under its target's parent; its run id.
+        """Create or update the run of ``record`` under its experiment's parent; its run id.
 
         A run whose logged params or points differ from ``record`` is replaced by a new one.
         """
@@ -251,10 +251,10 @@ class MlflowTracker:
             self.client.set_terminated(parent, RunStatus.to_string(RunStatus.FINISHED))
         return run_id
 
-    def runs(self, target: str) -> list[TrackedRun]:
-        """Every child run of ``target``'s parent, with all its metric points."""
+    def runs(self, experiment: str) -> list[TrackedRun]:
+        """Every child run of ``experiment``'s parent, with all its metric points."""
         with self._store_errors():
-            parents = self._search(PARENT_TAG, target)
+            parents = self._search(PARENT_TAG, experiment)
             if not parents:
                 return []
             children = self._search("mlflow.parentRunId", parents[0].info.run_id)

@@ -33,7 +33,7 @@ class RunRecord:
     """Everything pushed for one run (experiment, variant, seed)."""
 
     key: str
-    target: str
+    experiment: str
     name: str
     params: dict[str, str]
     tags: dict[str, str]
@@ -56,7 +56,7 @@ class Tracker(Protocol):
 
     def push(self, record: RunRecord, parent_files: Sequence[Path] = ()) -> str: ...
 
-    def runs(self, target: str) -> list[TrackedRun]: ...
+    def runs(self, experiment: str) -> list[TrackedRun]: ...
 
     def missing(self, keys: Sequence[str]) -> list[str]: ...
 
@@ -67,7 +67,7 @@ class NullTracker:
     def push(self, record: RunRecord, parent_files: Sequence[Path] = ()) -> str:
         return ""
 
-    def runs(self, target: str) -> list[TrackedRun]:
+    def runs(self, experiment: str) -> list[TrackedRun]:
         return []
 
     def missing(self, keys: Sequence[str]) -> list[str]:

@@ -72,7 +72,7 @@ def open_tracker(config: TrackingConfig, create: bool = True) -> Tracker:
         return NullTracker()
     from jagg_pipeline.reports.mlflow_store import MlflowTracker
 
-    return MlflowTracker(tracking_uri(config), config.experiment, create)
+    return MlflowTracker(tracking_uri(config), config.mlflow_experiment, create)
 
 
 def _flat(value: Any, prefix: str, out: dict[str, str]) -> None:
@@ -149,38 +149,38 @@ def _run_config(directory: str | Path) -> dict[str, Any]:
     return yaml.safe_load((Path(directory) / "config.yaml").read_text()) or {}
 
 
-def _key(config: Mapping[str, Any], target: str, variant: str, seed: int) -> str:
-    return f"{target}/{variant}/seed-{seed}@{digest(config)[:12]}"
+def _key(config: Mapping[str, Any], experiment: str, variant: str, seed: int) -> str:
+    return f"{experiment}/{variant}/seed-{seed}@{digest(config)[:12]}"
 
 
-def run_key(directory: str | Path, target: str, variant: str, seed: int) -> str:
-    """A run's identity in the tracker: ``target/variant/seed-s@<config digest>``.
+def run_key(directory: str | Path, experiment: str, variant: str, seed: int) -> str:
+    """A run's identity in the tracker: ``experiment/variant/seed-s@<config digest>``.
 
     An edited variant is a new run; the old one stays in the tracker for comparison.
     """
-    return _key(_run_config(directory), target, variant, seed)
+    return _key(_run_config(directory), experiment, variant, seed)
 
 
 def run_record(
-    directory: str | Path, target: str, variant: str, seed: int, snakemake_target: str = ""
+    directory: str | Path, experiment: str, variant: str, seed: int, snakemake_target: str = ""
 ) -> RunRecord:
     """What is pushed for the run in ``directory`` (its resolved ``config.yaml`` included)."""
     directory = Path(directory)
     config = _run_config(directory)
     overrides_file = directory / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else {}
-    key = _key(config, target, variant, seed)
+    key = _key(config, experiment, variant, seed)
     metrics = read_run(directory, variant, seed)
     tags = {
         RUN_KEY_TAG: key,
-        "jagg_target": target,
+        "jagg_target": experiment,
         "jagg_variant": variant,
         "jagg_seed": str(seed),
         "jagg_overrides": json.dumps(overrides, sort_keys=True),
         "jagg_mode": metrics.mode,
         "jagg_setting": metrics.setting,
         "jagg_version": __version__,
-        "snakemake_target": snakemake_target or target,
+        "snakemake_target": snakemake_target or experiment,
     }
     if commit := _git_commit():
         tags["git_commit"] = commit
@@ -190,7 +190,7 @@ def run_record(
     artifacts += [(grid, f"eval/{evaluation_name(n)}") for n, grid in sorted(metrics.grids.items())]
     return RunRecord(
         key=key,
-        target=target,
+        experiment=experiment,
         name=f"{variant}/seed-{seed}",
         params=flat_params(config),
         tags=tags,
@@ -231,8 +231,8 @@ def tracking_of(directories: Sequence[str | Path]) -> TrackingConfig:
     return from_dict(TrackingConfig, json.loads(sections.pop()), prefix="tracking")
 
 
-def _read_ledger(path: Path | None, uri: str, experiment: str) -> dict[str, str]:
-    """Run key -> run id of every run pushed to ``experiment`` at ``uri`` (ledger ``path``)."""
+def _read_ledger(path: Path | None, uri: str, mlflow_experiment: str) -> dict[str, str]:
+    """Run key -> run id of each run pushed to ``mlflow_experiment`` at ``uri`` (``path``)."""
     if path is None or not path.is_file():
         return {}
     try:
@@ -242,23 +242,23 @@ def _read_ledger(path: Path | None, uri: str, experiment: str) -> dict[str, str]
             f"{path}: not a JSON ledger ({err.msg}); delete it (the next push then trusts the "
             "store as it is)"
         ) from None
-    return dict(ledger.get(uri, {}).get(experiment, {}))
+    return dict(ledger.get(uri, {}).get(mlflow_experiment, {}))
 
 
-def _write_ledger(path: Path, uri: str, experiment: str, pushed: Mapping[str, str]) -> None:
+def _write_ledger(path: Path, uri: str, mlflow_experiment: str, pushed: Mapping[str, str]) -> None:
     ledger = json.loads(path.read_text()) if path.is_file() else {}
-    ledger.setdefault(uri, {}).setdefault(experiment, {}).update(pushed)
+    ledger.setdefault(uri, {}).setdefault(mlflow_experiment, {}).update(pushed)
     atomic_write_json(path, ledger)
 
 
 def track_runs(
     runs: Sequence[tuple[str, int, str | Path]],
-    target: str,
+    experiment: str,
     parent_files: Sequence[Path] = (),
     snakemake_target: str = "",
     ledger: Path | None = None,
 ) -> dict[str, str]:
-    """Push ``runs`` ((variant, seed, directory) of one target); run key -> tracker run id.
+    """Push ``runs`` ((variant, seed, directory) of one experiment); run key -> tracker run id.
 
     Every run is read first (a run with a gap is refused before anything is pushed). With a
     ``ledger`` (a JSON file, kept across failed pushes), a run that was pushed to the same
@@ -267,20 +267,20 @@ def track_runs(
     """
     tracking = tracking_of([d for _, _, d in runs])
     records = [
-        run_record(directory, target, variant, seed, snakemake_target)
+        run_record(directory, experiment, variant, seed, snakemake_target)
         for variant, seed, directory in runs
     ]
-    uri, experiment = tracking_uri(tracking), tracking.experiment
+    uri, mlflow_experiment = tracking_uri(tracking), tracking.mlflow_experiment
     if tracking.backend == "none":
         ledger = None
-    expected = [r.key for r in records if r.key in _read_ledger(ledger, uri, experiment)]
+    expected = [r.key for r in records if r.key in _read_ledger(ledger, uri, mlflow_experiment)]
     # A store that lost them is not started anew: no new SQLite file, no new experiment.
     tracker = open_tracker(tracking, create=not expected)
     lost = tracker.missing(expected)
     if lost:
         raise TrackingError(
-            f"MLflow store {uri}, experiment {experiment!r}: {len(lost)} run(s) pushed there "
-            f"before are gone ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}; "
+            f"MLflow store {uri}, experiment {mlflow_experiment!r}: {len(lost)} run(s) pushed "
+            f"there before are gone ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}; "
             f"ledger {ledger}): the store was emptied or replaced. Restore it (or point "
             f"tracking.uri / MLFLOW_TRACKING_URI at the right one), or delete {ledger} to push "
             "every run into this store anew"
@@ -289,5 +289,5 @@ def track_runs(
     for record in records:
         pushed[record.key] = tracker.push(record, parent_files)
         if ledger is not None:
-            _write_ledger(ledger, uri, experiment, {record.key: pushed[record.key]})
+            _write_ledger(ledger, uri, mlflow_experiment, {record.key: pushed[record.key]})
     return pushed

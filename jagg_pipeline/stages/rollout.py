@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from jagg_pipeline.backbones import Backbone
-from jagg_pipeline.backbones.base import DTYPES
+from jagg_pipeline.backbones.loading import DTYPES
 from jagg_pipeline.core import sde
 from jagg_pipeline.io.artifacts import METRICS_NAME, append_metrics
 from jagg_pipeline.io.manifest import begin_output, finish_output, stage_inputs
@@ -69,13 +69,13 @@ def step_coefficients(sampler: Any) -> sde.StepCoefficients:
 def step_masks(sampler: Any, seed: int) -> sde.StepMasks:
     """The noise and trained-step masks of a ``sampler`` section, drawn with ``seed``.
 
-    ``window``: one window of ``window_size`` SDE steps starting in ``window_start``;
+    ``segment``: one segment of ``segment_steps`` SDE steps starting in ``segment_start``;
     ``full``: SDE everywhere, a ``trained_fraction`` of the steps trained.
     """
     generator = torch.Generator().manual_seed(seed)
-    if sampler.trajectory == "window":
-        return sde.window_masks(
-            sampler.num_steps, sampler.window_size, tuple(sampler.window_start), generator
+    if sampler.trajectory == "segment":
+        return sde.segment_masks(
+            sampler.num_steps, sampler.segment_steps, tuple(sampler.segment_start), generator
         )
     return sde.full_trajectory_masks(sampler.num_steps, sampler.trained_fraction, generator)
 

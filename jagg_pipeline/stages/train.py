@@ -138,19 +138,19 @@ def _rollout_micro_batches(rollouts: Path, made: dict[str, Any], size: int) -> l
 
 
 def load_round_data(
-    config: Any, policy: str | Path, rollouts: str | Path, rewards: str | Path
+    config: Any, policy: str | Path, rollouts: str | Path, scores: str | Path
 ) -> RoundData:
     """Read and cross-check a round's inputs; errors name the file that does not fit."""
-    rollouts, rewards = Path(rollouts), Path(rewards)
+    rollouts, scores = Path(rollouts), Path(scores)
     made = check_input(
         rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
     )
-    scored = check_input(rewards, stage="score", config=config, sections=CHECKED_SECTIONS["score"])
-    check_derived_from(rewards, scored, "rollouts", rollouts)
+    scored = check_input(scores, stage="score", config=config, sections=CHECKED_SECTIONS["score"])
+    check_derived_from(scores, scored, "rollouts", rollouts)
     _check_policy_source(rollouts, made, policy)
     batch = RolloutReader(rollouts)
     names = list(config.rewards.weights)
-    rows = _table_rows(table_path(rewards), batch, names)
+    rows = _table_rows(table_path(scores), batch, names)
     return RoundData(
         batch=batch,
         advantages=torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
@@ -691,7 +691,7 @@ def train_round(
     config: Any,
     policy: str | Path,
     rollouts: str | Path,
-    rewards: str | Path,
+    scores: str | Path,
     out: str | Path,
     *,
     progress: bool = True,
@@ -708,7 +708,7 @@ def train_round(
 
     # Load: the round's inputs, checked against each other and the policy.
     out = Path(out)
-    data = load_round_data(config, policy, rollouts, rewards)
+    data = load_round_data(config, policy, rollouts, scores)
     previous = None if str(policy) == BASE else ckpt.read_trainer_state(policy)
     round_index = 0 if previous is None else previous.round + 1
     if data.round != round_index:
@@ -716,7 +716,7 @@ def train_round(
             f"{rollouts}: was sampled for round {data.round}, but --policy {policy} trains "
             f"round {round_index}"
         )
-    inputs = {"rollouts": Path(rollouts), "rewards": Path(rewards)}
+    inputs = {"rollouts": Path(rollouts), "scores": Path(scores)}
     if previous is not None:
         inputs["policy"] = policy_weights_dir(policy)
     with distributed.distributed(config.backbone.device) as ctx, _deterministic():
@@ -765,7 +765,7 @@ def train_round(
             raise ckpt.NonFiniteError(
                 f"round {round_index}: all {len(metrics)} optimizer step(s) were skipped (the "
                 "loss or the gradient was not finite: check the rewards and advantages of "
-                f"{rewards}); no checkpoint written. train.allow_skipped_round: true writes the "
+                f"{scores}); no checkpoint written. train.allow_skipped_round: true writes the "
                 "unchanged policy instead"
             )
         contents = trainer.contents(round_index, routing, metrics)

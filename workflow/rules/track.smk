@@ -28,7 +28,7 @@ rule track:
         runs=summary_arguments,
         digest=tracking_digest,
     shell:
-        "{params.python:q} -m jagg_pipeline track --target {wildcards.experiment:q}"
+        "{params.python:q} -m jagg_pipeline track --experiment {wildcards.experiment:q}"
         " {params.runs:q} --parent-file {input.summary:q} --parent-file {input.curves:q}"
         " --out {output:q} > {log:q} 2>&1"
 
@@ -74,5 +74,5 @@ rule compare:
         runs=summary_arguments,
         out=parent_folder,
     shell:
-        "{params.python:q} -m jagg_pipeline compare --target {wildcards.experiment:q}"
+        "{params.python:q} -m jagg_pipeline compare --experiment {wildcards.experiment:q}"
         " {params.runs:q} --out {params.out:q} > {log:q} 2>&1"

@@ -39,7 +39,7 @@ rule train:
     shell:
         "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
         " --config {params.config:q} --set backbone.device={params.device:q}"
-        " --policy {params.policy:q} --rollouts {input.rollouts:q} --rewards {input.scores:q}"
+        " --policy {params.policy:q} --rollouts {input.rollouts:q} --scores {input.scores:q}"
         " --out {output.checkpoint:q} > {log:q} 2>&1"
         " && cp {output.checkpoint:q}/metrics.jsonl {output.metrics:q} 2>> {log:q}"
 
