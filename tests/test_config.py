@@ -225,3 +225,13 @@ def test_gradcheck_counts_the_backward_calls_of_the_default_training_step():
     from jagg_pipeline.config.run import JaggConfig
 
     assert GradcheckConfig().endpoint_backward == JaggConfig().endpoint_backward
+
+
+def test_the_backbone_defaults_are_the_default_experiments_toy_sd3():
+    """One set of backbone defaults: a BackboneConfig built in Python is the config's default."""
+    from jagg_pipeline.toyworld.models import toy_backbone_options
+
+    default = BackboneConfig()
+    toy = toy_backbone_options("sd3")
+    assert {key: getattr(default, key) for key in toy} == toy
+    assert RunConfig().backbone == default

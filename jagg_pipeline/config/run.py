@@ -83,18 +83,23 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class BackboneConfig:
-    """The ``backbone`` section: which checkpoint, and how to drive it."""
+    """The ``backbone`` section: which checkpoint, and how to drive it.
 
-    family: BackboneFamily = field(help="model family, which picks the adapter")
+    The defaults are the default experiment's: the toy world's SD3 (32 px, float32, full
+    fine-tuning); a real checkpoint's config sets its own (see presets/).
+    """
+
+    family: BackboneFamily = field("sd3", help="model family, which picks the adapter")
     path: str = field(
+        "results/toyworld/sd3",
         help="a local diffusers-format directory (the one holding model_index.json) or, if no "
-        "such directory exists, a hub id"
+        "such directory exists, a hub id",
     )
     revision: str | None = field(None, help="hub revision (branch, tag or commit) of a hub id")
-    height: int = field(1024, help="image height in pixels (a multiple of 16)", minimum=1)
-    width: int = field(1024, help="image width in pixels (a multiple of 16)", minimum=1)
+    height: int = field(32, help="image height in pixels (a multiple of 16)", minimum=1)
+    width: int = field(32, help="image width in pixels (a multiple of 16)", minimum=1)
     dtype: BackboneDtype = field(
-        "bfloat16", help="precision the pipeline is loaded in (and trained weights are kept in)"
+        "float32", help="precision the pipeline is loaded in (and trained weights are kept in)"
     )
     mixed_precision: Literal["no", "bf16"] = field(
         "no",
@@ -121,10 +126,10 @@ class BackboneConfig:
         "FluxPipeline)",
     )
     max_sequence_length: int | None = field(
-        None, help="cap on the T5/Qwen prompt tokens (null: the family default)", minimum=1
+        16, help="cap on the T5/Qwen prompt tokens (null: the family default)", minimum=1
     )
     training: TrainingMode = field(
-        "lora", help="'lora': train the adapters only; 'full': every transformer weight"
+        "full", help="'lora': train the adapters only; 'full': every transformer weight"
     )
     lora: LoraConfig = field(default_factory=LoraConfig, help="the adapters of training 'lora'")
     gradient_checkpointing: bool = field(
@@ -603,15 +608,7 @@ class RunConfig:
     """A whole experiment: every section, defaults filled."""
 
     backbone: BackboneConfig = field(
-        default_factory=lambda: BackboneConfig(
-            family="sd3",
-            path="results/toyworld/sd3",
-            height=32,
-            width=32,
-            dtype="float32",
-            training="full",
-            max_sequence_length=16,
-        ),
+        default_factory=BackboneConfig,
         help="the DiT checkpoint and how to drive it",
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig, help="rollout sampling")

@@ -10,7 +10,7 @@ Rewards score the rollout's stored uint8 images; the advantage follows the ``adv
 section (std mode, eps, clip) and ``rewards.normalize_separately``. The stage reads the
 ``rewards`` and ``advantage`` sections (:data:`~jagg_pipeline.io.manifest.STAGE_SECTIONS`): the
 train stage checks exactly these against its own config.
-The folder-of-images mode of the ``score`` command lives in :mod:`jagg_pipeline.cli.score`.
+Scoring a folder of images (``score-images``) lives in :mod:`jagg_pipeline.stages.score_images`.
 """
 
 from __future__ import annotations
