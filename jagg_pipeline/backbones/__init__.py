@@ -18,7 +18,8 @@ from jagg_pipeline.backbones.analytic import (
     MlpDiT,
     build_analytic,
 )
-from jagg_pipeline.backbones.base import Backbone, BackboneLoadError
+from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.backbones.loading import BackboneLoadError
 from jagg_pipeline.config.run import BackboneConfig, BackboneFamily, LoraConfig
 
 _FAMILIES = {

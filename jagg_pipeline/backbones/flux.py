@@ -14,13 +14,10 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline.backbones.base import (
-    JOINT_ATTENTION_TARGETS,
-    Backbone,
-    linspace_sigmas,
-    padded_ids,
-    t5_embeds,
-)
+from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.backbones.conditioning import padded_ids, t5_embeds
+from jagg_pipeline.backbones.latents import linspace_sigmas
+from jagg_pipeline.backbones.training import JOINT_ATTENTION_TARGETS
 
 
 def image_ids(height: int, width: int) -> torch.Tensor:

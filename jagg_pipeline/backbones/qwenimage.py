@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
-from jagg_pipeline.backbones.base import (
-    JOINT_ATTENTION_TARGETS,
-    Backbone,
-    linspace_sigmas,
-    pad_tokens,
-)
+from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.backbones.conditioning import pad_tokens
+from jagg_pipeline.backbones.latents import linspace_sigmas
+from jagg_pipeline.backbones.training import JOINT_ATTENTION_TARGETS
 
 # QwenImagePipeline's prompt template and the number of its leading tokens it drops.
 PROMPT_TEMPLATE = (

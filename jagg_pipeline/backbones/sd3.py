@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch.nn import functional
 
-from jagg_pipeline.backbones.base import JOINT_ATTENTION_TARGETS, Backbone, padded_ids, t5_embeds
+from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.backbones.conditioning import padded_ids, t5_embeds
+from jagg_pipeline.backbones.training import JOINT_ATTENTION_TARGETS
 
 
 class SD3Backbone(Backbone):

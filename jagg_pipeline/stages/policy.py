@@ -151,7 +151,7 @@ def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Path:
     """
     import shutil
 
-    from jagg_pipeline.backbones.base import resolve_checkpoint
+    from jagg_pipeline.backbones.loading import resolve_checkpoint
     from jagg_pipeline.io.artifacts import atomic_directory
 
     backbone = _load(config, checkpoint, "cpu")  # in backbone.dtype, as trained

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from jagg_pipeline.backbones.base import Backbone, pack_latents
+from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.backbones.latents import pack_latents
 from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.toyworld.codec import to_unit_range
 from jagg_pipeline.toyworld.config import PretrainConfig
