@@ -14,14 +14,8 @@ import json
 import pytest
 
 from jagg_pipeline.bench.config import BenchConfig
-from jagg_pipeline.bench.measure import (
-    Case,
-    analytic_rows,
-    format_report,
-    predicted_cost,
-    run_bench,
-    write_outputs,
-)
+from jagg_pipeline.bench.measure import Case, analytic_rows, predicted_cost, run_bench
+from jagg_pipeline.bench.report import format_report, write_outputs
 
 STEPS = list(range(8))
 

@@ -1,7 +1,7 @@
 """The speed benchmark's settings and choices, torch-free so that ``bench --help`` is fast.
 
-:mod:`jagg_pipeline.bench.measure` runs the benchmark and checks at import that these choices name
-the backbones it can build.
+:mod:`jagg_pipeline.bench.measure` runs the benchmark and refuses a backbone these choices do
+not name.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.bench.config import BenchConfig
-    from jagg_pipeline.bench.measure import format_report, run_bench, write_outputs
+    from jagg_pipeline.bench.measure import run_bench
+    from jagg_pipeline.bench.report import format_report, write_outputs
 
     settings = BenchConfig(
         backbones=args.backbones,

@@ -116,12 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run_gradcheck(args: argparse.Namespace) -> int:
     import torch
 
-    from jagg_pipeline.bench.gradcheck import (
-        GradcheckConfig,
-        format_report,
-        run_gradcheck,
-        worst_rel_err,
-    )
+    from jagg_pipeline.bench.gradcheck import GradcheckConfig, run_gradcheck
+    from jagg_pipeline.bench.gradcheck_report import format_report, worst_rel_err
     from jagg_pipeline.io.artifacts import atomic_write_json
 
     torch.set_num_threads(1)
