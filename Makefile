@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml constraints.txt
 # The default experiment (config.yaml, target `all`) through the Snakemake workflow: the toy
 # world build, rounds of rollout -> score -> train per variant, evaluations, the comparison.
 run: $(STAMP)
-	$(BIN)/snakemake --profile workflow/profiles/local all report
-	$(BIN)/snakemake --profile workflow/profiles/local all report --report $(RESULTS)/report.html
+	$(BIN)/snakemake --profile workflow/profiles/local all comparison
+	$(BIN)/snakemake --profile workflow/profiles/local all comparison --report $(RESULTS)/report.html
 	@echo "results:    $(RESULTS)/all/<variant>/seed-<s>/ (round-*/, eval/trained-*/)"
-	@echo "comparison: $(RESULTS)/report/all/index.html (read back from MLflow)"
+	@echo "comparison: $(RESULTS)/comparison/all/index.html (read back from MLflow)"
 	@echo "report:     $(RESULTS)/report.html (Snakemake's report: open it in a browser)"
 	@echo "MLflow UI:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(RESULTS)/mlflow.db"
 	@echo "            then open http://127.0.0.1:5000 (experiment jagg-toy)"

@@ -35,7 +35,7 @@ include: "workflow/rules/bench.smk"
 
 localrules:
     bench,
-    report,
+    comparison,
     track,
     compare,
 
@@ -46,11 +46,11 @@ rule bench:
         rules.bench_update.output,
 
 
-rule report:
-    """The comparison of every experiment named in workflow.report, read back from MLflow
-    (results/report/<experiment>/index.html)."""
+rule comparison:
+    """The comparison of every experiment named in workflow.comparison, read back from MLflow
+    (results/comparison/<experiment>/index.html)."""
     input:
-        report_inputs,
+        comparison_inputs,
 
 
 # One target rule per experiment and evaluation of the config, named as it is: `snakemake

@@ -58,7 +58,7 @@ def toy_experiment(world, **sections):
 
 @pytest.fixture(scope="session")
 def reduced_all(tmp_path_factory):
-    """A workdir where the reduced `all` and `report` (workflow_helpers.REDUCED, tracking off)
+    """A workdir where the reduced `all` and `comparison` (workflow_helpers.REDUCED, tracking off)
     ran locally on 2 cores, with mlflow made unimportable (``poisoned/`` on PYTHONPATH).
 
     Tests copy it (with its .snakemake metadata) before changing anything, or compare with it.
@@ -75,6 +75,6 @@ def reduced_all(tmp_path_factory):
             filter(None, [str(poison.parent.parent), os.environ.get("PYTHONPATH")])
         )
     }
-    result = snakemake(workdir, "--cores", "2", "all", "report", env=env)
+    result = snakemake(workdir, "--cores", "2", "all", "comparison", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir

@@ -264,7 +264,7 @@ CASES = [
     *(
         Case(f"experiment-named-{name}", _named(name), (f"workflow.experiments.{name}",))
         for name in (
-            "report",
+            "comparison",
             "bench",
             "toyworld",
             "logs",

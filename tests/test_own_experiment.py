@@ -99,7 +99,7 @@ def test_crossed_names_that_collide_are_refused():
         resolve_runs(data)
 
 
-@pytest.mark.parametrize("name", ["report", "toyworld", "bench", "score", "my-exp"])
+@pytest.mark.parametrize("name", ["comparison", "toyworld", "bench", "score", "my-exp"])
 def test_target_names_that_are_folders_or_no_rule_names_are_refused(name):
     data = {"workflow": {"experiments": {name: {}}}}
     with pytest.raises(ConfigError, match=rf"workflow\.experiments\.{name}"):

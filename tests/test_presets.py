@@ -96,7 +96,7 @@ def test_preset_resolves_as_shipped_without_touching_a_file(name, tmp_path, monk
     assert not any(tmp_path.iterdir())  # resolving wrote nothing and needed nothing
 
     assert {run.experiment for run in runs.values()} == {"paper"}
-    assert data["workflow"]["report"] == ["paper"]
+    assert data["workflow"]["comparison"] == ["paper"]
     assert data["workflow"]["results"] == f"results/{name}"
     by_variant = {run.variant: run for run in runs.values()}
     assert sorted(by_variant) == ["exact", "jagg"]

@@ -120,7 +120,7 @@ def copy_run(reference: Path, workdir: Path) -> Path:
 def test_reduced_all_on_slurm_equals_the_local_run(slurm_env, reduced_all, tmp_path):
     write_config(tmp_path, REDUCED)
     started = time.monotonic()
-    result = on_slurm(tmp_path, slurm_env, "all", "report")
+    result = on_slurm(tmp_path, slurm_env, "all", "comparison")
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"reduced `all` on SLURM: {time.monotonic() - started:.0f} s")
     jobs = jobs_in(tmp_path)

@@ -11,7 +11,7 @@
   it; a damaged or empty SQLite store fails `track` and `compare` naming the file (and is not
   started anew); a store that lost runs pushed to it is reported; a run whose files changed
   replaces its MLflow run, so that the comparison and the summary agree; in the workflow, a
-  failed push is retried by the next run of `report`, and its comparison with it.
+  failed push is retried by the next run of `comparison`, and its comparison with it.
 """
 
 from __future__ import annotations
@@ -279,14 +279,16 @@ def test_compare_reads_mlflow_back_and_its_html_images_load(reduced_all, tmp_pat
 
 
 def test_tracking_off_runs_without_mlflow(reduced_all):
-    """reduced_all ran `all` and `report` (track and compare included) with mlflow poisoned."""
+    """reduced_all ran `all` and `comparison` (track and compare included) with mlflow poisoned."""
     assert REDUCED["tracking"]["backend"] == "none"
     tracked = json.loads((reduced_all / "results/all/tracking/tracked.json").read_text())
     assert set(tracked) == {
         run_key(reduced_all / f"results/all/{v}/seed-0", "all", v, 0) for v in VARIANTS
     }
     assert set(tracked.values()) == {""}
-    assert "tracking.backend: none" in (reduced_all / "results/report/all/index.html").read_text()
+    assert (
+        "tracking.backend: none" in (reduced_all / "results/comparison/all/index.html").read_text()
+    )
     poisoned = subprocess.run(
         [sys.executable, "-c", "import mlflow"],
         env={**os.environ, "PYTHONPATH": str(reduced_all / "poisoned")},
@@ -422,23 +424,23 @@ def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_
 
 
 def test_a_failed_push_is_retried_by_the_next_run(mlflow_server, reduced_all, tmp_path):
-    """`report` with the server unreachable fails at `track` (one line in its log) and keeps
+    """`comparison` with the server unreachable fails at `track` (one line in its log) and keeps
     nothing that passes for up to date: the next run pushes and compares again."""
     shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
     config = json.loads(json.dumps(REDUCED))
     config["tracking"] = {"backend": "mlflow", "uri": mlflow_server, "experiment": "jagg-wf"}
     write_config(tmp_path, config)
     down = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # not in the digests
-    failed = snakemake(tmp_path, "--cores", "2", "report", env=down, timeout=600)
+    failed = snakemake(tmp_path, "--cores", "2", "comparison", env=down, timeout=600)
     assert failed.returncode != 0
     log = (tmp_path / "results/logs/all/track.log").read_text().strip().splitlines()
     assert len(log) == 1 and down["MLFLOW_TRACKING_URI"] in log[0], log
     assert not (tmp_path / "results/all/tracking/tracked.json").exists()
-    plan = snakemake(tmp_path, "--cores", "2", "report", "--dry-run", "--quiet", "rules")
+    plan = snakemake(tmp_path, "--cores", "2", "comparison", "--dry-run", "--quiet", "rules")
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert {"track", "compare"} <= set(plan.stdout.split()), plan.stdout
-    done = snakemake(tmp_path, "--cores", "2", "report", timeout=600)
+    done = snakemake(tmp_path, "--cores", "2", "comparison", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    page = (tmp_path / "results/report/all/index.html").read_text()
+    page = (tmp_path / "results/comparison/all/index.html").read_text()
     assert f"Runs read from MLflow ({mlflow_server}" in page
     assert set(read_back(mlflow_server, "jagg-wf")) == {"all", "exact/seed-0", "jagg/seed-0"}

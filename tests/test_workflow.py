@@ -31,7 +31,7 @@ TARGETS = (
     "sweep_jagg_frac",
     "sweep_window",
     "sweep_backbone",
-    "report",
+    "comparison",
     "bench",
 )
 

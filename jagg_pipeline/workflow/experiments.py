@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, ClassVar, get_type_hints
 
 from jagg_pipeline.config.run import RunConfig
 from jagg_pipeline.config.sources import check_pipeline_dir
@@ -55,7 +55,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,119}")
 # named like any of its rules; a test keeps this list whole): no target may be named so.
 RESERVED_FOLDERS: tuple[str, ...] = (
     "toyworld",
-    "report",
+    "comparison",
     "bench",
     "logs",
     "benchmarks",
@@ -76,7 +76,7 @@ WORKFLOW_RULES: tuple[str, ...] = (
     "compare",
     "bench_update",
     "bench",
-    "report",
+    "comparison",
 )
 
 
@@ -172,6 +172,9 @@ class ContainersConfig:
 class WorkflowConfig:
     """The ``workflow`` section: where results go and the experiments the targets run."""
 
+    # The comparison target was called report, Snakemake's word for its own HTML report.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"report": "workflow.comparison"}
+
     results: str = field("results", help="root of every run's outputs, logs and benchmarks")
     toyworld: ToyWorldConfig = field(default_factory=ToyWorldConfig, help="the embedded toy world")
     experiments: dict[str, ExperimentConfig] = field(
@@ -184,8 +187,8 @@ class WorkflowConfig:
         default_factory=ContainersConfig,
         help="the images the rules run in under --sdm apptainer, per environment family",
     )
-    report: list[str] = field(
-        default_factory=lambda: ["all"], help="experiments the `report` target collects"
+    comparison: list[str] = field(
+        default_factory=lambda: ["all"], help="experiments the `comparison` target collects"
     )
     keep_every: int | None = field(
         None,

@@ -600,13 +600,13 @@ def tracking_digest(wildcards):
     return digest([to_dict(run.config.tracking) for run in _runs(wildcards.experiment)])
 
 
-def report_inputs(wildcards):
-    """The comparison pages of the experiments named in workflow.report, and what they are
+def comparison_inputs(wildcards):
+    """The comparison pages of the experiments named in workflow.comparison, and what they are
     read from (:func:`target_files`: a page is out of date once a push failed)."""
     return [
         path
-        for name in WORKFLOW.report
-        for path in [f"{RESULTS}/report/{name}/index.html", *target_files(name)]
+        for name in WORKFLOW.comparison
+        for path in [f"{RESULTS}/comparison/{name}/index.html", *target_files(name)]
     ]
 
 

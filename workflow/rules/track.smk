@@ -37,22 +37,22 @@ rule compare:
     input:
         f"{RESULTS}/{{experiment}}/tracking/tracked.json",
     output:
-        html=f"{RESULTS}/report/{{experiment}}/index.html",
-        table=f"{RESULTS}/report/{{experiment}}/table.md",
+        html=f"{RESULTS}/comparison/{{experiment}}/index.html",
+        table=f"{RESULTS}/comparison/{{experiment}}/table.md",
         curves=report(
-            f"{RESULTS}/report/{{experiment}}/curves.png",
+            f"{RESULTS}/comparison/{{experiment}}/curves.png",
             caption="../report/compare.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
         ),
         speed=report(
-            f"{RESULTS}/report/{{experiment}}/speed.png",
+            f"{RESULTS}/comparison/{{experiment}}/speed.png",
             caption="../report/speed.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
         ),
         cos_sim=report(
-            f"{RESULTS}/report/{{experiment}}/cos_sim.png",
+            f"{RESULTS}/comparison/{{experiment}}/cos_sim.png",
             caption="../report/cos_sim.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
