@@ -1,4 +1,4 @@
-"""Tiny checkpoints and experiment configs for the stage tests (test helper).
+"""Tiny checkpoints and run configs for the stage tests (test helper).
 
 A config here is the smallest experiment that still exercises everything a stage does: a tiny
 diffusers checkpoint of the family (32 x 32 images, float32, 16 text tokens, full

@@ -18,7 +18,7 @@ def models(tmp_path_factory):
 
 
 def write_config(path, models, **rewards):
-    """An experiment config whose rewards are the tiny local models; ``rewards`` replaces keys."""
+    """A run config whose rewards are the tiny local models; ``rewards`` replaces keys."""
     section = {
         "weights": "{hpsv21: 1.0, pickscore: 0.5}",
         "hpsv21": f"{{checkpoint: '{models.hps_checkpoint}', arch: '{models.hps_arch_json}'}}",

@@ -1,7 +1,7 @@
 """What the stage commands share on the command line.
 
 ``--config`` / ``--set`` (one meaning everywhere: ``--set KEY.PATH=VALUE`` overrides one key
-of the experiment config), ``--policy``, ``--run VARIANT SEED DIR`` (the commands that compare
+of the run config), ``--policy``, ``--run VARIANT SEED DIR`` (the commands that compare
 runs), and turning bad input into a one-line ``error: <message>`` exit.
 """
 
@@ -34,7 +34,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True)
         type=Path,
         required=required,
         metavar="FILE",
-        help="experiment config (YAML), or the workflow's config.yaml (its base sections are "
+        help="run config (YAML), or the workflow's config.yaml (its base sections are "
         "used); unknown keys are errors; the resolved config is written next to the outputs",
     )
     parser.add_argument(
@@ -79,9 +79,9 @@ def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
 
 
 def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
-    """The experiment config in ``path`` after ``--set`` overrides; every command reads it here.
+    """The run config in ``path`` after ``--set`` overrides; every command reads it here.
 
-    ``path`` is an experiment config (the package's sections) or the workflow's config.yaml:
+    ``path`` is a run config (the package's sections) or the workflow's config.yaml:
     a file with a top-level ``workflow`` section has that section checked (unknown keys and
     wrong types are errors, as everywhere) and then set aside, and the rest, the base
     experiment, is the config. ``--set`` overrides apply to the base experiment. Raises
@@ -104,7 +104,7 @@ def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
 
 
 def load_stage_config(path: Path, overrides: list[str]) -> Any:
-    """The experiment config of a stage command (errors become ``error:`` exits).
+    """The run config of a stage command (errors become ``error:`` exits).
 
     See :func:`read_experiment_config` (a workflow config.yaml gives its base experiment).
     """

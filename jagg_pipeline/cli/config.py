@@ -1,4 +1,4 @@
-"""``config``: print the resolved experiment config, a template or the schemas; check a file.
+"""``config``: print the resolved run config, a template or the schemas; check a file.
 
 ``check`` validates a whole file (the workflow's config.yaml included) and reports every
 error at once.
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
-HELP = "print the resolved experiment config (YAML) or its JSON Schema; check a config file"
+HELP = "print the resolved run config (YAML) or its JSON Schema; check a config file"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "config",
         help=HELP,
         description=(
-            "'show' prints the experiment config with every default filled, after reading "
+            "'show' prints the run config with every default filled, after reading "
             "--config (if given) and applying --set overrides; unknown keys and wrong types "
             "fail naming the file and the key. A --config with a top-level workflow section "
             "(the workflow's config.yaml) gives its base experiment (the workflow section is "
@@ -114,7 +114,7 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     the base sections and of every run of every experiment, for the parts the schema passed
     (the runs once the base sections pass: each run would repeat a base section's error);
     then the files the runs name (prompt files, checkpoint folders), as the workflow checks
-    them. A file without a ``workflow`` section is an experiment config and checked as the
+    them. A file without a ``workflow`` section is a run config and checked as the
     base.
     """
     from jagg_pipeline.config.run import RunConfig, schema
@@ -170,7 +170,7 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
             errors.append(str(err))
             base_ok = False
     if WORKFLOW_KEY not in data:
-        return errors, [] if errors else [f"{path}: OK (an experiment config: no workflow section)"]
+        return errors, [] if errors else [f"{path}: OK (a run config: no workflow section)"]
     if base_ok:  # else every run would repeat the base sections' errors
         for (kind, name), target in targets.items():
             if clean(f"{WORKFLOW_KEY}.{kind}.{name}"):

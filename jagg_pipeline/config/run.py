@@ -1,4 +1,4 @@
-"""The experiment configuration: one typed dataclass per section, loaded strictly from YAML.
+"""A run's configuration: one typed dataclass per section, loaded strictly from YAML.
 
 Sections: ``backbone`` (:class:`BackboneConfig`, with its :class:`LoraConfig`), ``sampler``,
 ``advantage`` (read by the score stage only), ``grpo`` (the train stage's loss), ``jagg``,
@@ -605,7 +605,7 @@ class TrackingConfig:
 
 @dataclass
 class RunConfig:
-    """A whole experiment: every section, defaults filled."""
+    """A run's config: every section, defaults filled."""
 
     backbone: BackboneConfig = field(
         default_factory=BackboneConfig,
@@ -662,17 +662,17 @@ class RunConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read an experiment config strictly; errors name the file and the dotted key."""
+    """Read a run config strictly; errors name the file and the dotted key."""
     return _load_yaml(RunConfig, path, overrides)
 
 
 def from_mapping(data: dict) -> RunConfig:
-    """Build an experiment config from already-parsed data (e.g. Snakemake's ``config``)."""
+    """Build a run config from already-parsed data (e.g. Snakemake's ``config``)."""
     return from_dict(RunConfig, data)
 
 
 def schema() -> dict:
-    """The JSON Schema (draft 2020-12) of the experiment config."""
+    """The JSON Schema (draft 2020-12) of the run config."""
     return json_schema(RunConfig)
 
 

@@ -2,7 +2,7 @@
 
 Every stage output has a small JSON manifest: ``DIR/manifest.json`` for a directory output
 (every pipeline stage), ``FILE.manifest.json`` beside a file output (``score-images`` keeps
-its own fields there: no experiment config, a digest of the scored images).
+its own fields there: no run config, a digest of the scored images).
 It records the stage, the package version, the digest of the whole config and of each
 section, the seeds, and the digest of every input. :func:`begin_output` marks an output
 unfinished (manifest removed, stale files cleared); :func:`finish_output` writes the resolved

@@ -9,7 +9,7 @@ one column per reward, ``total``, ``advantage``; csv, jsonl or parquet from the 
 written atomically, and ``OUT.manifest.json`` beside it. That manifest is this command's own
 format (command, version, resolved rewards, device, digests of the images and input files,
 rows, table), not the stage contract of :mod:`jagg_pipeline.io.manifest`: there is no
-experiment config to digest, and the images digested are the scored ones in input order, not
+run config to digest, and the images digested are the scored ones in input order, not
 a folder's files. Errors a user can fix are :class:`ScoreImagesError` (an ``InputError``);
 their messages keep the command's option names (``--images``, ``--out``), its one caller.
 The pipeline's score stage on a rollout is :mod:`jagg_pipeline.stages.scoring`.
