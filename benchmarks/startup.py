@@ -40,6 +40,8 @@ from typing import Any
 
 import yaml
 
+from jagg_pipeline.io.artifacts import ROUND_PREFIX
+
 COMMANDS = ("config", "gradcheck", "toyworld", "rollout", "score", "train", "evaluate", "summarize")
 STAGES = ("rollout", "score", "train", "evaluate")
 PARTS = ("import", "load", "work")  # a job's recorded seconds: time.<part>
@@ -67,10 +69,10 @@ def age():
 
 config_file, rollouts, scores = sys.argv[1:4]
 from jagg_pipeline.cli import build_parser
-from jagg_pipeline.cli.common import read_experiment_config
+from jagg_pipeline.cli.common import read_run_config
 
 build_parser("{stage}")
-config = read_experiment_config(Path(config_file))
+config = read_run_config(Path(config_file))
 {imports}
 imported = age()
 start = time.perf_counter()
@@ -195,7 +197,9 @@ def side_by_side(values: list[float]) -> list[str]:
 def job_seconds(results: Path, stage: str) -> float | None:
     """Median wall seconds of a stage's jobs in a finished workflow run (benchmark files)."""
     name = "eval" if stage == "evaluate" else stage
-    pattern = "*/*/seed-*/eval/*.tsv" if stage == "evaluate" else f"*/*/seed-*/round-*/{name}.tsv"
+    pattern = (
+        "*/*/seed-*/eval/*.tsv" if stage == "evaluate" else f"*/*/seed-*/{ROUND_PREFIX}*/{name}.tsv"
+    )
     values = []
     for path in (results / "benchmarks").glob(pattern):
         with path.open() as handle:

@@ -78,7 +78,7 @@ def parse_runs(args: argparse.Namespace) -> list[tuple[str, int, Path]]:
     return runs
 
 
-def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
+def read_run_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     """The run config in ``path`` after ``--set`` overrides; every command reads it here.
 
     ``path`` is a run config (the package's sections) or the workflow's config.yaml:
@@ -106,10 +106,10 @@ def read_experiment_config(path: Path, overrides: Sequence[str] = ()) -> Any:
 def load_stage_config(path: Path, overrides: list[str]) -> Any:
     """The run config of a stage command (errors become ``error:`` exits).
 
-    See :func:`read_experiment_config` (a workflow config.yaml gives its base experiment).
+    See :func:`read_run_config` (a workflow config.yaml gives its base experiment).
     """
     with stage_errors():
-        return read_experiment_config(path, overrides)
+        return read_run_config(path, overrides)
 
 
 @contextmanager

@@ -84,7 +84,7 @@ def _render(args: argparse.Namespace) -> str:
     """The text of ``show``, ``template`` or ``schema``."""
     import yaml
 
-    from jagg_pipeline.cli.common import read_experiment_config
+    from jagg_pipeline.cli.common import read_run_config
     from jagg_pipeline.config.run import RunConfig, from_mapping, schema
     from jagg_pipeline.config.tools import apply_overrides, commented_yaml, to_dict
     from jagg_pipeline.workflow.experiments import workflow_schema
@@ -92,7 +92,7 @@ def _render(args: argparse.Namespace) -> str:
     if args.what == "schema":
         return json.dumps(workflow_schema() if args.workflow else schema(), indent=2) + "\n"
     if args.config is not None:
-        config = read_experiment_config(args.config, args.set)
+        config = read_run_config(args.config, args.set)
     elif args.set:
         config = from_mapping(apply_overrides({}, args.set))
     else:
