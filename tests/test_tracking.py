@@ -82,7 +82,7 @@ def tracked_copy(reduced_all: Path, workdir: Path, uri: str) -> dict[str, Path]:
         folder = workdir / "results/all" / variant / "seed-0"
         shutil.copytree(reduced_all / "results/all" / variant / "seed-0", folder)
         config = yaml.safe_load((folder / "config.yaml").read_text())
-        config["tracking"] = {"backend": "mlflow", "uri": uri, "experiment": "jagg-test"}
+        config["tracking"] = {"backend": "mlflow", "uri": uri, "mlflow_experiment": "jagg-test"}
         (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         runs[variant] = folder
     return runs
@@ -316,7 +316,7 @@ def test_heatmaps_show_each_run_for_its_own_approximation(reduced_all):
 
 def synthetic_runs(root: Path, uri: str, experiment: str) -> dict[str, Path]:
     """Two synthetic runs (exact, jagg) tracked at ``uri`` in ``experiment``."""
-    tracking = {"backend": "mlflow", "uri": uri, "experiment": experiment}
+    tracking = {"backend": "mlflow", "uri": uri, "mlflow_experiment": experiment}
     return {v: synthetic_run(root / v / "seed-0", v, tracking=tracking) for v in VARIANTS}
 
 
@@ -428,7 +428,7 @@ def test_a_failed_push_is_retried_by_the_next_run(mlflow_server, reduced_all, tm
     nothing that passes for up to date: the next run pushes and compares again."""
     shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
     config = json.loads(json.dumps(REDUCED))
-    config["tracking"] = {"backend": "mlflow", "uri": mlflow_server, "experiment": "jagg-wf"}
+    config["tracking"] = {"backend": "mlflow", "uri": mlflow_server, "mlflow_experiment": "jagg-wf"}
     write_config(tmp_path, config)
     down = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}  # not in the digests
     failed = snakemake(tmp_path, "--cores", "2", "comparison", env=down, timeout=600)
