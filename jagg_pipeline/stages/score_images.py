@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from jagg_pipeline import __version__
-from jagg_pipeline.config.tools import apply_overrides, to_dict
+from jagg_pipeline.config.tools import apply_overrides, read_yaml, to_dict
 from jagg_pipeline.io.artifacts import atomic_write_json
 from jagg_pipeline.io.manifest import file_sha256, manifest_path
 from jagg_pipeline.io.prompts import column_values, load_prompts, read_table
@@ -73,9 +73,7 @@ def rewards_section(
     """
     section: dict[str, Any] = {}
     if file is not None:
-        import yaml
-
-        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        loaded = read_yaml(file)
         if isinstance(loaded, dict) and "rewards" in loaded:
             loaded = loaded["rewards"]
         if not isinstance(loaded, dict):
@@ -199,9 +197,9 @@ def score_images(
         raise ScoreImagesError(f"--batch-size must be >= 1, got {batch_size}")
     spec = parse_rewards(rewards)
     samples = inputs.samples()
-    reward = MultiReward.from_spec(spec, device)
     if not samples:
         raise ScoreImagesError(f"no images to score in {inputs.images}")
+    reward = MultiReward.from_spec(spec, device)
     columns = score_columns(reward, samples, batch_size)
     groups: dict[str, int] = {}
     group_ids = torch.tensor([groups.setdefault(s.prompt, len(groups)) for s in samples])
