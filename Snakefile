@@ -24,6 +24,7 @@ onstart:
 
 
 include: "workflow/rules/toyworld.smk"
+include: "workflow/rules/encode.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/score.smk"
 include: "workflow/rules/train.smk"

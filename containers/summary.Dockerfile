@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /opt/jagg-pipeline
 COPY constraints.txt pyproject.toml README.md ./
 COPY jagg_pipeline ./jagg_pipeline
-RUN pip install --no-cache-dir --constraint constraints.txt matplotlib pyyaml 'mlflow>=3,<4' \
+RUN pip install --no-cache-dir --constraint constraints.txt matplotlib pyyaml 'mlflow>=3,<4' blake3 \
     && pip install --no-cache-dir --no-deps .
 
 ENTRYPOINT ["python", "-m", "jagg_pipeline"]

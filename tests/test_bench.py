@@ -125,3 +125,84 @@ def test_bench_counts_what_the_engines_do_and_writes_its_outputs(tmp_path):
     assert paths["png"].stat().st_size > 10_000
     printed = format_report(report)
     assert "jagg+reuse W=4 f=1" in printed and "reduce-scatters" in printed
+
+
+def test_round_overhead_projection_scales_each_hashing_pattern_to_eight_ranks():
+    # benchmarks/round_overhead.py's arithmetic on made-up sizes (a script, not a module).
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from round_overhead import NODE_RANKS, SETTINGS, hash_pattern, project, projected_hashing
+
+    def pattern(ranks, **hashed):
+        stage = {
+            "ranks": ranks,
+            "hash_by_artifact": {k.replace("_", " "): v for k, v in hashed.items()},
+        }
+        return hash_pattern(stage, {"policy in": 10, "policy out": 10, "rollout": 4})
+
+    # Before: both ranks hash the input whole, rank 0 its own output: 8 x 100 + 100 bytes on
+    # the node; the critical path is rank 0's 200 bytes.
+    before = pattern(2, policy_in=[10, 10], policy_out=[10, 0])
+    assert projected_hashing(before, {"policy in": 100, "policy out": 100}, 10.0) == (900, 20)
+    # After: once per node, spread over the ranks.
+    after = pattern(2, policy_in=[6, 4])
+    assert projected_hashing(after, {"policy in": 100}, 10.0) == (100, 100 / NODE_RANKS / 10)
+    # One process stays one; an artifact of no listed size keeps its measured bytes.
+    single = pattern(1, rollout=[4], scores=[3])
+    assert projected_hashing(single, {"rollout": 40}, 10.0) == (43, 4.3)
+
+    # Sizes in GB, rates in GB/s: the 3-6 GB/s storage is in the same units.
+    gb = 1e9
+    sizes = {
+        "base": 240 * gb,
+        "base_in_dtype": 480 * gb,
+        "text_encoders": 60 * gb,
+        "policy": 100 * gb,
+        "trainer": 200 * gb,
+        "checkpoint": 300 * gb,
+        "rollout": 40 * gb,
+        "images": 4 * gb,
+        "micro_batches": 12,
+    }
+    score = pattern(1, rollout=[4])
+    patterns = {
+        "before": {"rollout": pattern(1, policy_in=[10], rollout=[4]), "score": score},
+        "after": {"rollout": after, "score": score},
+    }
+    patterns["before"]["train"] = before
+    patterns["after"]["train"] = pattern(2, policy_in=[5, 5], rollout=[2, 2])
+    rates = {"sha256": 10 * gb, "blake3_1_thread": 20 * gb}
+    out = project(
+        patterns,
+        {"before": 3.0, "after": 5.0},
+        {"before": False, "after": True},
+        rates,
+        sizes,
+        SETTINGS[0],
+    )
+    for tree in ("before", "after"):
+        items = out["items"][tree]
+        rest = [v for k, v in items["seconds"].items() if not k.startswith("0")]
+        assert items["overhead_s"][0] == pytest.approx(sum(v[0] for v in rest))
+        assert items["overhead_s"][1] == pytest.approx(sum(v[-1] for v in rest))
+    before_items, after_items = out["items"]["before"], out["items"]["after"]
+    assert before_items["seconds"]["0 idle GPUs while sampling"] == (390.0,)
+    # 12 micro-batches on 8 ranks: 2 rounds of dealing for 1.5 of work.
+    idle = 390.0 * 8 / 7 / 8 * (16 / 12 - 1)
+    assert after_items["seconds"]["0 idle GPUs while sampling"][0] == pytest.approx(idle)
+    # Before: the rollout hashes 100 + 40 GB, the score stage 40, the train ranks 800 + 100,
+    # at 10 GB/s on their critical paths (140 GB, 40 GB and rank 0's 200 GB).
+    assert before_items["hashed_bytes"] == pytest.approx(1080 * gb)
+    assert before_items["seconds"]["1 hashing by reading"][0] == pytest.approx(14 + 4 + 20)
+    assert after_items["seconds"]["1 hashing while writing"][0] == pytest.approx(340 / 8 / 20)
+    # After, training: the 140 GB the ranks hash come off storage at 3 and at 6 GB/s, their
+    # hashing (140 / 8 GB each at 20 GB/s) hides that much; nothing unhashed (full FT).
+    critical = 140 / NODE_RANKS / 20
+    reads = after_items["seconds"]["3 train: checkpoint, base, rollout reads"]
+    assert reads == pytest.approx((140 / 3 - critical, 140 / 6 - critical))
+    # Before, training: hashing (20 s) hides the checkpoint's storage time; the base
+    # transformer (240 GB, in no manifest) is read on top.
+    reads = before_items["seconds"]["3 train: checkpoint, base, rollout reads"]
+    assert reads == pytest.approx((max(100 / 3 - 20, 0) + 80, max(100 / 6 - 20, 0) + 40))

@@ -46,7 +46,7 @@ def test_score_loads_the_reward_models_on_the_configured_device(tmp_path, monkey
         raise Loaded
 
     monkeypatch.setattr(scoring, "check_input", lambda *args, **kwargs: {})
-    monkeypatch.setattr(scoring, "load_rollout", lambda folder: None)
+    monkeypatch.setattr(scoring, "RolloutReader", lambda folder: None)
     monkeypatch.setattr(scoring.MultiReward, "from_spec", from_spec)
     config = tmp_path / "config.yaml"
     config.write_text("backbone: {device: 'cuda:1'}\n")
@@ -61,7 +61,7 @@ def test_score_loads_the_reward_models_on_the_configured_device(tmp_path, monkey
 
 def test_evaluate_scores_its_metrics_on_the_reward_device(monkeypatch):
     images = torch.zeros(2, 3, 32, 32, dtype=torch.uint8)
-    batch = SimpleNamespace(images=images, prompt_ids=torch.arange(2), seeds=torch.arange(2))
+    batch = SimpleNamespace(images=images, sample_ids=torch.arange(2), seeds=torch.arange(2))
     monkeypatch.setattr(evaluate_module, "sample_batches", lambda *args, **kwargs: batch)
     loaded = []
 
@@ -135,7 +135,9 @@ def test_on_slurm_every_cuda_job_asks_for_its_gpus_and_a_core_per_thread(tmp_pat
     # A dry run caps threads at --cores (1 unless given); a cluster run does not.
     for job in dry_run(tmp_path, "--profile", SLURM_PROFILE, "--cores", "4"):
         resources, variant = job["resources"], job["wildcards"]["variant"]
-        nproc = 2 if variant == "jagg" and job["rule"] == "train" else 1
+        # rollout and evaluate run over the training ranks, as train does.
+        ranks = job["rule"] in ("train", "rollout", "evaluate")
+        nproc = 2 if variant == "jagg" and ranks else 1
         scored_on_cpu = job["rule"] == "score" and variant == "exact"
         assert int(resources["gpu"]) == (0 if scored_on_cpu else nproc), job
         assert job["threads"] == nproc, job

@@ -107,6 +107,38 @@ def test_fsdp2_over_nccl_on_every_gpu_equals_one_process(tmp_path):
     assert max_difference(one, many) <= 0.05 * config.train.lr, max_difference(one, many)
 
 
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_sharded_sampling_over_nccl_on_every_gpu_equals_one_process(tmp_path, training):
+    """rollout under torchrun on every visible GPU, the policy FSDP2-sharded over NCCL, gives
+    the one-process rollout: every sample computed in the same micro-batch, alike."""
+    import subprocess
+
+    from train_helpers import write_config
+
+    from jagg_pipeline.io.trajectories import load_rollout
+    from jagg_pipeline.stages.rollout import run_rollout
+
+    gpus = torch.cuda.device_count()
+    # One more micro-batch than GPUs: rank 1 onwards pad with a discarded batch.
+    sampler = {**SAMPLER, "batch_size": 4, "prompts_per_round": 4 * (gpus + 1)}
+    config = gpu_config(
+        "flux",
+        tmp_path,
+        "bf16",
+        sampler=sampler,
+        backbone={"device": "cuda", "dtype": "bfloat16", "training": training},
+    )
+    run_rollout(config, "base", config.sampler.prompts, tmp_path / "one", progress=False)
+    config_file = write_config(config, tmp_path / "config.yaml")
+    args = ["--config", str(config_file), "--policy", "base", "--out", str(tmp_path / "many")]
+    command = [*launcher(gpus), "-m", "jagg_pipeline", "rollout", *args]
+    done = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, many = load_rollout(tmp_path / "one"), load_rollout(tmp_path / "many")
+    for name in ("latents", "log_probs", "images", "seeds", "sample_ids"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_reused_velocities_equal_recomputed_ones_on_cuda(dtype):
     """The rollout's velocities are what the GPU recomputes at unchanged weights."""
@@ -170,3 +202,51 @@ def test_bench_runs_on_cuda(tmp_path):
     paths = write_outputs(report, tmp_path)
     assert paths["csv"].is_file()
     print(format_report(report))
+
+
+def test_forward_clock_times_by_cuda_events_with_one_synchronise(monkeypatch):
+    """Wrapped forwards never synchronise; one sync() reads every forward and mark."""
+    from jagg_pipeline.support.timing import ForwardClock
+
+    synchronised = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda *a, **k: (synchronised.append(1), real(*a, **k))[1]
+    )
+    device = torch.device("cuda")
+    clock = ForwardClock(device)
+    weight = torch.randn(2048, 2048, device=device)
+    forward = clock.wrap(lambda x: x @ weight)
+    clock.mark("start")
+    x = torch.randn(2048, 2048, device=device)
+    for _ in range(5):
+        x = forward(x).tanh()
+    clock.mark("end")
+    assert not synchronised and clock.seconds == 0.0
+    seconds = clock.sync()
+    assert len(synchronised) == 1 and clock.syncs == 1
+    assert 0 < clock.seconds <= seconds["end"]
+
+
+def test_training_on_cuda_synchronises_the_clock_once_per_optimizer_step(tmp_path):
+    """Two optimizer steps: two clock synchronisations, forward seconds within each step's."""
+    from jagg_pipeline.stages import train as train_stage
+    from jagg_pipeline.support.timing import ForwardClock
+
+    clocks = []
+
+    class Counting(ForwardClock):
+        def __init__(self, device):
+            super().__init__(device)
+            clocks.append(self)
+
+    config = gpu_config("flux", tmp_path, "bf16", train={"lr": 1e-4, "minibatches": 2})
+    original = train_stage.ForwardClock
+    train_stage.ForwardClock = Counting
+    try:
+        _, _, result = run_round(config, tmp_path)
+    finally:
+        train_stage.ForwardClock = original
+    assert [clock.syncs for clock in clocks] == [2]
+    for row in result.metrics:
+        assert row["time"]["forward"] > 0 and row["time"]["backward"] > 0

@@ -40,7 +40,13 @@ def test_directory_and_file_outputs_carry_manifests_that_consumers_check(tmp_pat
     check_input(rollout, stage="rollout", config=other, sections=["backbone"])
     with pytest.raises(ManifestError, match="is a 'rollout' output, expected train"):
         check_input(rollout, stage="train", config=config)
-    (rollout / "shard-0.safetensors").write_bytes(b"changed")
+    shard = rollout / "shard-0.safetensors"
+    shard.write_bytes(b"changed")
+    # Bytes changed under an unchanged manifest: the consumer that reads them refuses them.
+    with pytest.raises(ManifestError, match=rf"^{shard}: corrupt or changed"):
+        check_input(rollout, stage="rollout", config=config)
+    # Another rollout in its place (its own manifest): the scores were not computed from it.
+    write_manifest(rollout, stage="rollout", config=config, seeds={"round": 3})
     with pytest.raises(ManifestError, match="was not computed from"):
         check_derived_from(
             scores, check_input(scores, stage="score", config=config), "rollouts", rollout

@@ -156,7 +156,11 @@ def _planned_trains(output: str) -> list[dict]:
             jobs[-1]["threads"] = int(match[1])
         elif jobs and line.startswith("Shell command: "):
             jobs[-1]["shell"] = line
-    return [job for job in jobs if job["rule"] in ("train", "train_transient")]
+    return [job for job in jobs if job["rule"].removesuffix("_transient") in RANKS_RULES]
+
+
+# The rules whose jobs run over the training ranks (torchrun on every node).
+RANKS_RULES = ("train", "rollout", "evaluate")
 
 
 def _sbatch_call(resources: dict[str, str], threads: int) -> str:
@@ -184,7 +188,8 @@ def _sbatch_call(resources: dict[str, str], threads: int) -> str:
 
 @pytest.fixture(scope="module")
 def two_node_plan(tmp_path_factory) -> list[dict]:
-    """The train jobs of a dry run of the two-node config under the slurm profile."""
+    """The jobs over the training ranks (train, rollout, evaluate) of a dry run of the
+    two-node config under the slurm profile."""
     workdir = tmp_path_factory.mktemp("two-nodes")
     _two_node_config(workdir)
     # A dry run caps threads at --cores (1 unless given); a cluster run does not.
@@ -196,14 +201,17 @@ def two_node_plan(tmp_path_factory) -> list[dict]:
 
 
 def test_on_slurm_a_two_node_training_asks_for_the_nodes_and_runs_srun_with_c10d(two_node_plan):
-    trains = two_node_plan
-    assert {job["wildcards"]["variant"] for job in trains} == {"exact", "jagg"}
-    for job in trains:
+    """Train, rollout and evaluate of a two-node run all start over the two nodes' ranks."""
+    jobs = two_node_plan
+    assert {job["wildcards"]["variant"] for job in jobs} == {"exact", "jagg"}
+    assert {job["rule"].removesuffix("_transient") for job in jobs} == set(RANKS_RULES)
+    for job in jobs:
         resources, shell = job["resources"], job["shell"]
+        rule = job["rule"].removesuffix("_transient")
         if job["wildcards"]["variant"] == "exact":  # one node, one process: as before
             assert resources["nodes"] == "1" and resources["gpu"] == "1", job
             assert not {"tasks", "mpi", "gres", "tasks_per_gpu"} & resources.keys(), job
-            assert f"{sys.executable} -m jagg_pipeline train" in shell, job
+            assert f"{sys.executable} -m jagg_pipeline {rule}" in shell, job
             continue
         # Two nodes, one task (torchrun agent) per node with the node's 2 GPUs and 2 cores.
         assert resources["nodes"] == "2" and resources["tasks"] == "2", job
@@ -216,7 +224,7 @@ def test_on_slurm_a_two_node_training_asks_for_the_nodes_and_runs_srun_with_c10d
             " --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint"
             ' "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs'
             ' "$SLURM_JOB_ID" --format %N)}" | head -n 1):$((29500 + SLURM_JOB_ID % 10000))"'
-            ' --rdzv_id "$SLURM_JOB_ID" -m jagg_pipeline train'
+            f' --rdzv_id "$SLURM_JOB_ID" -m jagg_pipeline {rule}'
         )
         assert launch in shell, job
         assert "--standalone" not in shell, job
@@ -233,7 +241,9 @@ def test_the_launch_command_asks_squeue_for_the_nodes_when_slurm_hides_them(
     endpoint expands to the first node of the job's node list from squeue, and a port from
     the job id."""
     shell = next(
-        job["shell"] for job in two_node_plan if job["wildcards"]["variant"] == "jagg"
+        job["shell"]
+        for job in two_node_plan
+        if job["wildcards"]["variant"] == "jagg" and job["rule"] == "train"
     ).removeprefix("Shell command: ")
     launch = shell.split(" -m jagg_pipeline train")[0]
     # Stand-ins for srun, squeue and scontrol print what they were given.

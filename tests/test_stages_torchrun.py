@@ -1,8 +1,11 @@
-"""Two ranks under ``torchrun`` write two shards that load back as the one-rank rollout.
+"""Two ranks under ``torchrun`` sample with the FSDP2-sharded policy as one rank does.
 
-``python -m torch.distributed.run`` is ``torchrun`` from this interpreter's environment.
+The rollout's two shards load back as the one-rank rollout, bit for bit, and an evaluation
+over two ranks writes what one process writes. ``python -m torch.distributed.run`` is
+``torchrun`` from this interpreter's environment.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -37,14 +40,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path):
-    # QwenImage with prompts of different lengths: variable-length text is the hard case.
-    checkpoint = tiny_checkpoint("qwenimage", tmp_path)
-    config_file, config = write_experiment(tmp_path / "c.yaml", "qwenimage", checkpoint)
-    prompts = write_prompts(tmp_path / "prompts.txt")
-    run_rollout(config, "base", prompts, tmp_path / "one", progress=False)
-
+def torchrun(*arguments: str) -> None:
+    """``python -m jagg_pipeline ARGUMENTS`` on two gloo ranks; fails the test on an error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [
         sys.executable,
@@ -58,6 +55,25 @@ def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path):
         str(free_port()),
         "-m",
         "jagg_pipeline",
+        *arguments,
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path, training):
+    # QwenImage with prompts of different lengths: variable-length text is the hard case.
+    # Three micro-batches on two ranks: rank 1 pads with a discarded batch (FSDP2's forwards
+    # are collectives).
+    checkpoint = tiny_checkpoint("qwenimage", tmp_path)
+    config_file, config = write_experiment(
+        tmp_path / "c.yaml", "qwenimage", checkpoint, backbone={"training": training}
+    )
+    prompts = write_prompts(tmp_path / "prompts.txt")
+    run_rollout(config, "base", prompts, tmp_path / "one", progress=False)
+    torchrun(
         "rollout",
         "--config",
         str(config_file),
@@ -67,9 +83,7 @@ def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path):
         str(prompts),
         "--out",
         str(tmp_path / "two"),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
 
     shards = sorted(p.name for p in (tmp_path / "two").glob("shard-*.safetensors"))
     assert shards == ["shard-0.safetensors", "shard-1.safetensors"]
@@ -87,3 +101,24 @@ def test_two_ranks_write_two_shards_equal_to_the_one_rank_rollout(tmp_path):
     assert all(torch.equal(one.cond[k], two.cond[k]) for k in one.cond)
     assert one.prompts == two.prompts
     assert not one.cond["prompt_embeds_mask"].all()  # padded text took part
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_as_one_process(tmp_path):
+    """Each rank samples its share with the sharded policy; rank 0 scores and writes all."""
+    from jagg_pipeline.stages.evaluate import run_evaluate
+
+    checkpoint = tiny_checkpoint("flux", tmp_path)
+    config_file, config = write_experiment(tmp_path / "c.yaml", "flux", checkpoint)
+    one = run_evaluate(config, "base", tmp_path / "one", progress=False)
+    torchrun(
+        "evaluate", "--config", str(config_file), "--policy", "base", "--out", str(tmp_path / "two")
+    )
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["metrics"] == one["metrics"] and two["per_prompt"] == one["per_prompt"]
+    images = sorted(p.name for p in (tmp_path / "one" / "images").glob("*.png"))
+    assert images == sorted(p.name for p in (tmp_path / "two" / "images").glob("*.png"))
+    for name in images:
+        assert (tmp_path / "one" / "images" / name).read_bytes() == (
+            tmp_path / "two" / "images" / name
+        ).read_bytes(), name

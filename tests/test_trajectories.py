@@ -22,6 +22,21 @@ def batch(n=4, steps=5, offset=0):
     )
 
 
+def counted_row_reads(monkeypatch) -> list[tuple[str, int]]:
+    """The (tensor, rows) of every read of shard rows from now on, as they happen."""
+    from jagg_pipeline.io import trajectories
+
+    reads = []
+    read_rows = trajectories._read_rows
+
+    def counting(handle, name, rows):
+        reads.append((name, len(rows)))
+        return read_rows(handle, name, rows)
+
+    monkeypatch.setattr(trajectories, "_read_rows", counting)
+    return reads
+
+
 def test_shards_round_trip_and_concatenate_in_rank_order(tmp_path):
     first, second = batch(offset=0), batch(offset=10)
     second.save(tmp_path, rank=1)
@@ -63,14 +78,7 @@ def test_the_reader_reads_only_the_samples_asked_for(tmp_path, monkeypatch):
     whole.sample_ids = torch.arange(6)
     whole.select([0, 1, 4, 5]).save(tmp_path, rank=0)
     whole.select([2, 3]).save(tmp_path, rank=1)
-    reads = []
-    read_rows = trajectories._read_rows
-
-    def counting(handle, name, rows):
-        reads.append((name, len(rows)))
-        return read_rows(handle, name, rows)
-
-    monkeypatch.setattr(trajectories, "_read_rows", counting)
+    reads = counted_row_reads(monkeypatch)
     reader = trajectories.RolloutReader(tmp_path)
     assert len(reader) == 6 and reader.trained_steps == [0, 1] and reads == []
     part = reader.select([5, 2, 0])
@@ -98,3 +106,24 @@ def test_a_rollout_with_a_sample_missing_or_twice_is_refused(tmp_path):
     whole.save(tmp_path)
     with pytest.raises(InputError, match=r"sample_ids are not 0..3"):
         load_rollout(tmp_path)
+
+
+def test_the_reader_reads_images_alone(tmp_path, monkeypatch):
+    """What scoring reads: the images of the samples asked for, in that order, and no other
+    tensor of the shard files; a rollout without images is refused naming its folder."""
+    from jagg_pipeline.io import trajectories
+
+    whole = batch(n=6)
+    whole.sample_ids = torch.arange(6)
+    whole.select([0, 2, 4]).save(tmp_path, rank=0)  # dealt round-robin, as two ranks write
+    whole.select([1, 3, 5]).save(tmp_path, rank=1)
+    reads = counted_row_reads(monkeypatch)
+    reader = trajectories.RolloutReader(tmp_path)
+    images = reader.images([5, 2, 0, 3])
+    assert images.dtype == torch.uint8 and torch.equal(images, whole.images[[5, 2, 0, 3]])
+    assert sorted(reads) == [("images", 2), ("images", 2)]
+    no_images = tmp_path / "no-images"
+    whole.images = None
+    whole.save(no_images)
+    with pytest.raises(InputError, match=r"no-images: shard\(s\) \[0\] hold no images"):
+        trajectories.RolloutReader(no_images).images([0])

@@ -7,6 +7,7 @@ rounds) and runs in a temporary directory with the repository's Snakefile.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -99,6 +100,67 @@ def test_stage_digests_cover_exactly_what_each_stage_reads():
         s for s in ("rollout", "score") if stage_digest(config, s) != stage_digest(frozen, s)
     }
     assert not changed  # the objective's settings reach training only
+
+
+def _commands(plan: str, stage: str) -> list[str]:
+    return [line for line in plan.splitlines() if f" -m jagg_pipeline {stage} " in line]
+
+
+def _conditioning_of(command: str) -> str | None:
+    words = command.split()
+    return words[words.index("--conditioning") + 1] if "--conditioning" in words else None
+
+
+def test_a_pool_is_named_by_its_prompts_and_the_text_keys_only():
+    from jagg_pipeline.config.run import RunConfig
+    from jagg_pipeline.config.tools import ConfigError
+    from jagg_pipeline.workflow.experiments import check_target_name, pool_key
+
+    config = RunConfig()
+    key = pool_key(config, "toy:train", None)
+    assert len(key) == 12 and key == pool_key(RunConfig(), "toy:train", None)
+    assert key != pool_key(config, "toy:heldout", None) != pool_key(config, "toy:train", "x")
+    backbone = config.backbone
+    for unread in ({"device": "cuda"}, {"training": "lora"}, {"mixed_precision": "bf16"}):
+        other = dataclasses.replace(config, backbone=dataclasses.replace(backbone, **unread))
+        assert pool_key(other, "toy:train", None) == key, unread
+    for read in ({"negative_prompt": "dark"}, {"cfg_scale": 2.0}, {"revision": "main"}):
+        other = dataclasses.replace(config, backbone=dataclasses.replace(backbone, **read))
+        assert pool_key(other, "toy:train", None) != key, read
+    with pytest.raises(ConfigError, match="conditioning"):
+        check_target_name("experiments", "conditioning")  # the pools' folder
+
+
+def test_each_prompt_pool_is_encoded_once_for_every_run_and_round_that_share_it(tmp_path):
+    data = json.loads(json.dumps(REDUCED))
+    # The token cap is a text key: this variant's pools are its own.
+    data["workflow"]["experiments"]["all"]["variants"]["short"] = {
+        "jagg": {"mode": "jagg"},
+        "backbone": {"max_sequence_length": 8},
+    }
+    write_config(tmp_path, data)
+    plan = snakemake(tmp_path, "all", "--dry-run", "--printshellcmds", timeout=120).stdout
+    encodes = _commands(plan, "encode")
+    folders = [command.split("--out ")[1].split()[0] for command in encodes]
+    assert len(folders) == len(set(folders)) == 4, encodes  # (train, heldout) x (16, 8 tokens)
+    assert all(f.startswith("results/conditioning/") for f in folders)
+    assert sum("--prompts toy:train" in c for c in encodes) == 2
+    assert sum("backbone.max_sequence_length=8" in c for c in encodes) == 2
+    rollouts, evaluations = _commands(plan, "rollout"), _commands(plan, "evaluate")
+    assert len(rollouts) == 3 * 2 and len(evaluations) == 3 * 2  # 2 rounds, 2 evaluations
+    pools: dict[tuple[str, bool], set[str | None]] = {}
+    for stage, commands in (("rollout", rollouts), ("evaluate", evaluations)):
+        for command in commands:
+            pools.setdefault((stage, "/short/" in command), set()).add(_conditioning_of(command))
+    # One pool per stage for exact and jagg (every round), another one for short.
+    assert all(len(found) == 1 for found in pools.values()), pools
+    assert {next(iter(found)) for found in pools.values()} == set(folders)
+
+    data["workflow"]["encode_prompts"] = False
+    write_config(tmp_path, data)
+    plan = snakemake(tmp_path, "all", "--dry-run", "--printshellcmds", timeout=120).stdout
+    assert not _commands(plan, "encode") and _commands(plan, "rollout")
+    assert "--conditioning" not in plan and "results/conditioning" not in plan
 
 
 def test_train_rule_launches_torchrun_for_several_processes(tmp_path):

@@ -103,6 +103,11 @@ class QwenImageBackbone(Backbone):
             {k: pad_tokens(v, length) for k, v in negative.items()},
         )
 
+    def _trim_rows(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Cut a pool's padding: one call pads to the longest of its prompts (``_encode``)."""
+        length = int(rows["prompt_embeds_mask"].sum(dim=1).max())
+        return {k: v[:, :length] for k, v in rows.items()}
+
     def predict(
         self, z: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]
     ) -> torch.Tensor:

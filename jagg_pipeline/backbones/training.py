@@ -8,6 +8,8 @@ and the blocks FSDP2 shards one by one) and the LoRA targets the families share
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args
 
@@ -29,6 +31,39 @@ JOINT_ATTENTION_TARGETS: tuple[str, ...] = (
     "attn.to_add_out",
 )
 TRAINING_MODES: tuple[str, ...] = get_args(TrainingMode)
+# peft keeps a wrapped layer's own weights under this module name.
+_BASE_LAYER = "base_layer"
+
+
+def checkpoint_name(name: str) -> str:
+    """The base checkpoint's name of a transformer parameter (LoRA wrapping undone)."""
+    return ".".join(part for part in name.split(".") if part != _BASE_LAYER)
+
+
+@contextmanager
+def _real_stand_ins(module: nn.Module, targets: Sequence[str]) -> Iterator[None]:
+    """Meta parameters of the ``targets`` layers stood in for by real one-element tensors.
+
+    peft creates each adapter on the device of its layer's weight: on a meta-device layer
+    the adapters would be meta too, their seeded initial values lost. A stand-in is one
+    element expanded to the parameter's shape and dtype (no memory), so the adapters are
+    drawn and cast exactly as on a loaded model; the meta parameters are put back after,
+    frozen as the stand-ins were.
+    """
+    swapped = []
+    for name in targets:
+        layer = module.get_submodule(name)
+        for key, param in list(layer.named_parameters(recurse=False)):
+            if param.is_meta:
+                stand_in = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                setattr(layer, key, nn.Parameter(stand_in, requires_grad=param.requires_grad))
+                swapped.append((layer, key, param))
+    try:
+        yield
+    finally:
+        for layer, key, param in swapped:
+            param.requires_grad_(getattr(layer, key).requires_grad)
+            setattr(layer, key, param)
 
 
 class TrainingMixin:
@@ -60,7 +95,8 @@ class TrainingMixin:
                     settings.targets or self.default_lora_targets,
                     exclude=self.dead_modules(),
                 )
-                lora.add_lora(self.transformer, settings, targets)
+                with _real_stand_ins(self.transformer, targets):
+                    lora.add_lora(self.transformer, settings, targets)
         else:
             raise ValueError(f"training mode must be one of {TRAINING_MODES}, got {mode!r}")
         self.training_mode = mode

@@ -56,6 +56,33 @@ def add_policy_argument(
     parser.add_argument("--policy", required=True, metavar="base|CKPT", help=help)
 
 
+def add_conditioning_argument(parser: argparse.ArgumentParser, pool: str) -> None:
+    """``--conditioning DIR``: a sampling stage reads its prompts' conditioning from ``encode``."""
+    parser.add_argument(
+        "--conditioning",
+        type=Path,
+        metavar="DIR",
+        help=f"the `encode` output of {pool}: its rows are the prompts' conditioning and no "
+        "text encoder is loaded (checked: stage, file digests, the backbone's text keys); "
+        "default: encode the prompts inline",
+    )
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, column_default: str) -> None:
+    """``--prompts POOL`` and ``--column NAME`` of the commands that read a prompt pool."""
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE|toy:train|toy:heldout",
+        help="prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or a toy split "
+        "(default: sampler.prompts)",
+    )
+    parser.add_argument(
+        "--column",
+        metavar="NAME",
+        help=f"prompt column of a tabular prompt file (default: {column_default})",
+    )
+
+
 def add_run_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """``--run VARIANT SEED DIR`` (repeated): the runs a command compares or tracks."""
     parser.add_argument(

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 from jagg_pipeline.cli.common import (
+    add_conditioning_argument,
     add_config_arguments,
     add_policy_argument,
     load_stage_config,
@@ -46,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(p)
     add_policy_argument(p)
+    add_conditioning_argument(p, "eval.prompts (eval.column)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     p.set_defaults(handler=_run)
 
@@ -55,7 +57,8 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():
-        report = run_evaluate(config, args.policy, args.out)
-    print(json.dumps(report["metrics"]))
-    print(f"evaluation written to {args.out}")
+        report = run_evaluate(config, args.policy, args.out, conditioning=args.conditioning)
+    if report is not None:  # rank 0 (under torchrun the others return None)
+        print(json.dumps(report["metrics"]))
+        print(f"evaluation written to {args.out}")
     return 0

@@ -8,8 +8,10 @@ import textwrap
 from pathlib import Path
 
 from jagg_pipeline.cli.common import (
+    add_conditioning_argument,
     add_config_arguments,
     add_policy_argument,
+    add_prompt_arguments,
     load_stage_config,
     stage_errors,
 )
@@ -52,17 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(p)
     add_policy_argument(p)
-    p.add_argument(
-        "--prompts",
-        metavar="FILE|toy:train|toy:heldout",
-        help="prompt pool: a prompt file (.txt, .json, .jsonl, .csv, .parquet) or a toy split "
-        "(default: sampler.prompts)",
-    )
-    p.add_argument(
-        "--column",
-        metavar="NAME",
-        help="prompt column of a tabular prompt file (default: sampler.prompt_column)",
-    )
+    add_prompt_arguments(p, "sampler.prompt_column")
+    add_conditioning_argument(p, "the prompt pool")
     p.add_argument(
         "--round",
         type=int,
@@ -86,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
             args.out,
             round_index=args.round,
             column=args.column or config.sampler.prompt_column,
+            conditioning=args.conditioning,
         )
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
         print(f"rollout written to {args.out}")

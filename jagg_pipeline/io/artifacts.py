@@ -1,5 +1,14 @@
 """Writing outputs so that a crash never leaves a half-written file behind, and metric lines.
 
+A file written by :func:`atomic_write_bytes` (and so :func:`atomic_write_text` and
+:func:`atomic_write_json`), :func:`atomic_write_safetensors` or a :class:`DigestingWriter`
+(sharded checkpoints) has the digest of its bytes recorded as they are written, in a ledger
+of this process keyed by the file's device, inode, size and mtime: renames keep the entry,
+a rewrite drops it. A manifest takes its digests from there (:mod:`jagg_pipeline.io.manifest`),
+so no writer reads its output back to hash it. New digests are blake3
+(:data:`DIGEST_ALGORITHM`). :func:`atomic_output` (a path for writers that want one) records
+nothing: what it wrote is hashed by reading when a manifest lists it.
+
 Every stage folder holds ``metrics.jsonl``: one flat JSON object per line (``stage``, ``round``,
 ``step``, then scalar ``key: value`` pairs, nested names joined by dots). A training round
 keeps a copy of its rollout, score and train stages' lines in ``round-<r>/metrics/<stage>.jsonl``
@@ -12,16 +21,19 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # A policy is ``base`` (the backbone's own weights) or a checkpoint folder, which keeps its
 # weights in POLICY_DIR: the folder the consumers of a checkpoint digest and read.
@@ -126,6 +138,168 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
+# --------------------------------------------------------------------------------------------
+# Digests recorded while writing
+# --------------------------------------------------------------------------------------------
+
+# The digest of new manifests; a manifest that names none was written with sha256.
+DIGEST_ALGORITHM = "blake3"
+LEGACY_DIGEST_ALGORITHM = "sha256"
+DIGEST_ALGORITHMS = (DIGEST_ALGORITHM, LEGACY_DIGEST_ALGORITHM)
+
+
+def new_hasher(algorithm: str = DIGEST_ALGORITHM) -> Any:
+    """An empty hasher of ``algorithm`` (hashlib's ``update`` and ``hexdigest``).
+
+    blake3 spreads a large update over every core and releases the GIL meanwhile, so the
+    threads of a sharded write hash and write at once.
+    """
+    if algorithm == "blake3":
+        from blake3 import blake3
+
+        return blake3(max_threads=blake3.AUTO)
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(
+        f"digest algorithm {algorithm!r}: the known ones are {', '.join(DIGEST_ALGORITHMS)}"
+    )
+
+
+FileKey = tuple[int, int, int, int]
+
+
+def file_key(stat: os.stat_result) -> FileKey:
+    """What names a file's bytes in the ledger: device, inode, size and mtime (ns).
+
+    A rename keeps all four (temporary files, staging folders); a rewrite makes a new inode
+    (atomic writes) or moves the mtime. One rewritten in place to the same size within the
+    filesystem's timestamp tick would keep its key: no writer here does that.
+    """
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+# A few hundred bytes an entry; a file whose entry was dropped is hashed by reading if needed.
+_LEDGER_ENTRIES = 1 << 16
+_ledger: OrderedDict[FileKey, tuple[str, str]] = OrderedDict()
+_written = {"files": 0, "bytes": 0}
+_ledger_lock = threading.Lock()  # DCP writes a rank's files from several threads
+
+
+def _record(stat: os.stat_result, algorithm: str, hexdigest: str) -> None:
+    key = file_key(stat)
+    with _ledger_lock:
+        _written["files"] += 1
+        _written["bytes"] += stat.st_size
+        _ledger[key] = (algorithm, hexdigest)
+        _ledger.move_to_end(key)
+        while len(_ledger) > _LEDGER_ENTRIES:
+            _ledger.popitem(last=False)
+
+
+def recorded_digest(path: str | os.PathLike[str], algorithm: str = DIGEST_ALGORITHM) -> str | None:
+    """The ``algorithm`` digest this process recorded while writing ``path``'s current bytes.
+
+    None when it did not write them (another process did, or they changed since).
+    """
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    with _ledger_lock:
+        entry = _ledger.get(file_key(stat))
+    return entry[1] if entry is not None and entry[0] == algorithm else None
+
+
+def written_counts() -> dict[str, int]:
+    """Files and bytes this process hashed while writing them (since the last reset)."""
+    with _ledger_lock:
+        return dict(_written)
+
+
+def reset_written_counts() -> None:
+    """Zero :func:`written_counts` (the ledger itself is kept)."""
+    with _ledger_lock:
+        _written.update(files=0, bytes=0)
+
+
+class DigestingWriter:
+    """A file opened for writing (``wb``) that hashes its bytes as they are written.
+
+    Closing it records the digest in this process's ledger (``record=False``: when
+    :meth:`record` is called, after a rename, say). Writes are sequential (there is no
+    seek), so what was hashed is what the file holds; bytes written past it to the file
+    descriptor would change the size, and a file whose size is not the hashed size is not
+    recorded. An exception inside ``with`` closes it unrecorded.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        algorithm: str = DIGEST_ALGORITHM,
+        *,
+        record: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.algorithm = algorithm
+        self._hasher = new_hasher(algorithm)
+        self._size = 0
+        self._auto_record = record
+        self._final: os.stat_result | None = None  # the closed file, until recorded
+        self._raw: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        self._hasher.update(view[:written])
+        self._size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:  # for fsync
+        return self._raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+    def close(self) -> None:
+        """Close the file; record its digest unless constructed with ``record=False``."""
+        if self._raw.closed:
+            return
+        self._raw.close()
+        # After close: on a network filesystem the last bytes (and the mtime) land then.
+        stat = os.stat(self.path)
+        self._final = stat if stat.st_size == self._size else None
+        if self._auto_record:
+            self.record()
+
+    def record(self) -> None:
+        """Record the closed file's digest in the ledger (once)."""
+        if self._final is not None:
+            _record(self._final, self.algorithm, self._hasher.hexdigest())
+            self._final = None
+
+    def __enter__(self) -> DigestingWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._raw.close()
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
@@ -161,11 +335,65 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename)."""
-    with atomic_output(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+def atomic_write_bytes(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` (bytes or a buffer) to ``path`` atomically, its digest recorded.
+
+    Writers that make their file in memory (safetensors, parquet, PNG) come here, so the
+    manifest of their output never reads them back.
+    """
+    with atomic_output(path) as tmp, DigestingWriter(tmp, record=False) as stream:
+        stream.write(data)
+    stream.record()  # the file is in place: its inode, size and mtime are the target's
     return Path(path)
+
+
+def atomic_write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, Any]) -> Path:
+    """Write torch ``tensors`` (on the CPU, contiguous) as a safetensors file, atomically.
+
+    safetensors writes them straight from their memory: holding the file's bytes in memory
+    first would double a rollout shard's host memory. Its digest is recorded all the same,
+    hashed from the header safetensors wrote (read back: a few kB) and the tensors' bytes in
+    the order of the header's offsets, which by the format are the file's bytes; when the
+    offsets do not tile the file to its end, nothing is recorded.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_output(path) as tmp:
+        save_file(dict(tensors), str(tmp))
+        digest = _safetensors_digest(tmp, tensors)
+        stat = os.stat(tmp)
+    if digest is not None:
+        _record(stat, DIGEST_ALGORITHM, digest)
+    return Path(path)
+
+
+def _safetensors_digest(path: Path, tensors: Mapping[str, Any]) -> str | None:
+    import torch
+
+    with open(path, "rb") as handle:
+        length = handle.read(8)
+        header = handle.read(int.from_bytes(length, "little"))
+    layout = json.loads(header)
+    spans = sorted(
+        (entry["data_offsets"], name) for name, entry in layout.items() if name != "__metadata__"
+    )
+    hasher = new_hasher(DIGEST_ALGORITHM)
+    hasher.update(length + header)
+    end = 0
+    for (start, stop), name in spans:
+        data = tensors[name].detach().reshape(-1).view(torch.uint8).numpy()
+        if start != end or stop - start != data.nbytes:
+            return None
+        hasher.update(data)
+        end = stop
+    if len(length) + len(header) + end != path.stat().st_size:
+        return None
+    return hasher.hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file, fsync, rename), recorded."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike[str], data: Any) -> Path:

@@ -8,12 +8,13 @@ matplotlib are imported when used: the torch-free reports import this module.
 from __future__ import annotations
 
 import functools
+import io
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jagg_pipeline.io.artifacts import atomic_output
+from jagg_pipeline.io.artifacts import atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +31,27 @@ def pyplot() -> Any:
     return plt
 
 
+def _write_png(path: str | Path, render: Callable[[io.BytesIO], Any]) -> Path:
+    """``render`` a PNG in memory, then write it atomically, its digest recorded.
+
+    So the manifest of the folder it lands in never reads it back.
+    """
+    buffer = io.BytesIO()
+    render(buffer)
+    return atomic_write_bytes(path, buffer.getbuffer())
+
+
+def save_png(image: Any, path: str | Path) -> Path:
+    """Write a Pillow ``image`` to ``path`` as a PNG, atomically."""
+    return _write_png(path, lambda buffer: image.save(buffer, format="PNG"))
+
+
 def save_figure(figure: Any, path: str | Path, **options: Any) -> Path:
     """Write matplotlib ``figure`` to ``path`` as a PNG, atomically, and close it.
 
     ``options``: more keyword arguments of ``Figure.savefig`` (e.g. ``dpi``).
     """
-    with atomic_output(path) as tmp:
-        figure.savefig(tmp, format="png", **options)
+    _write_png(path, lambda buffer: figure.savefig(buffer, format="png", **options))
     pyplot().close(figure)
     return Path(path)
 
@@ -93,10 +108,7 @@ def save_image_grid(
     path: str | Path, images: torch.Tensor, captions: Sequence[str] | None = None, **options: int
 ) -> Path:
     """Write :func:`image_grid` as a PNG, atomically."""
-    grid = image_grid(images, captions, **options)
-    with atomic_output(path) as tmp:
-        grid.save(tmp, format="PNG")
-    return Path(path)
+    return save_png(image_grid(images, captions, **options), path)
 
 
 def save_curves(

@@ -10,21 +10,41 @@ unfinished (manifest removed, stale files cleared); :func:`finish_output` writes
 sections it depends on (:func:`check_input`): the training stage, for instance, refuses
 rollouts sampled under a different ``backbone`` or ``sampler`` section, or scores computed
 from other rollouts, and the error names the file.
+
+Digests: the manifest lists every data file's digest in the algorithm it names
+(``digest_algorithm``: blake3; none named: sha256, manifests written before). Writing one
+reads no file back: each digest was recorded while the file was written, by this process or
+by the ranks that send theirs (:func:`recorded_digests`); an input's digest comes from the
+input's manifest. A consumer verifies the files it reads (:func:`verify_files`). Hashing by
+reading is counted (:func:`hash_counts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jagg_pipeline import __version__
 from jagg_pipeline.config.tools import digest, to_dict
-from jagg_pipeline.io.artifacts import METRICS_NAME, atomic_write_json, atomic_write_text
+from jagg_pipeline.io.artifacts import (
+    DIGEST_ALGORITHM,
+    DIGEST_ALGORITHMS,
+    LEGACY_DIGEST_ALGORITHM,
+    METRICS_NAME,
+    FileKey,
+    atomic_write_json,
+    atomic_write_text,
+    file_key,
+    new_hasher,
+    recorded_digest,
+    reset_written_counts,
+    written_counts,
+)
 from jagg_pipeline.io.shards import METADATA_FILE
 from jagg_pipeline.support.errors import InputError
 
@@ -49,6 +69,17 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "score": ("rewards", "advantage"),
     "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
     "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
+    # A prompt pool's conditioning: the text encoders' checkpoint, dtype and token cap, and
+    # the negative prompt of CFG (io.conditioning.text_keys).
+    "encode": (
+        "backbone.family",
+        "backbone.path",
+        "backbone.revision",
+        "backbone.dtype",
+        "backbone.max_sequence_length",
+        "backbone.negative_prompt",
+        "backbone.cfg_scale",
+    ),
 }
 # What a consumer checks of a stage's output against its own config (check_input): the whole
 # sections the stage reads (a manifest records sections, not dotted keys); of a checkpoint only
@@ -59,6 +90,9 @@ CHECKED_SECTIONS: dict[str, tuple[str, ...]] = {
         for stage in ("rollout", "score")
     },
     "train": ("backbone",),
+    # Its text keys one by one (io.conditioning.open_conditioning): a section would refuse a
+    # pool for a key the text encoders never read (backbone.device, training, ...).
+    "encode": (),
 }
 
 
@@ -74,46 +108,148 @@ def manifest_path(output: str | Path) -> Path:
     return output.with_name(output.name + ".manifest.json")
 
 
-def file_sha256(path: str | Path) -> str:
-    """sha256 (hex) of a file's bytes, read 1 MiB at a time (no file is held in memory)."""
-    h = hashlib.sha256()
+# Every byte hashed by reading a file goes through _hash_file, which counts it by path.
+_READ_BLOCK = 8 << 20  # enough for blake3 to spread each block over the cores
+_reads: dict[str, list[int]] = {}  # path -> [times hashed, bytes hashed]
+_reads_lock = threading.Lock()
+
+
+def _hash_file(path: str, algorithm: str) -> str:
+    hasher = new_hasher(algorithm)
+    size = 0
+    view = memoryview(bytearray(_READ_BLOCK))
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        while count := handle.readinto(view):
+            hasher.update(view[:count])
+            size += count
+    with _reads_lock:
+        counted = _reads.setdefault(path, [0, 0])
+        counted[0] += 1
+        counted[1] += size
+    return hasher.hexdigest()
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
-    return file_sha256(path)
+def _cached_digest(path: str, algorithm: str, key: FileKey) -> str:
+    return _hash_file(path, algorithm)
 
 
-def _file_digest(path: Path) -> str:
-    """sha256 of a file, hashed once per process while it is unchanged.
+def file_digest(path: str | Path, algorithm: str = DIGEST_ALGORITHM) -> str:
+    """The ``algorithm`` digest (hex) of a file, read and hashed once per process while unchanged.
 
-    A stage checks an input (every file), checks what the input was derived from and records
-    the input's digest in its own manifest: without the cache the same shards would be read
-    three times. A rewrite changes the inode (atomic writes) or the size and mtime.
-    """
-    stat = path.stat()
-    return _cached_sha256(str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-def digest_path(path: str | Path) -> str:
-    """sha256 of a file, or of a directory's files (relative names and contents, sorted).
-
-    A directory's own manifest and its metrics (timings: not data) are left out, so writing
-    them does not change the digest.
+    A stage may verify an input's file and digest it again for its own manifest: the second
+    time is free. A rewrite changes the inode (atomic writes) or the size and mtime. Counted
+    in :func:`hash_counts`; what this process wrote itself it never needs to read
+    (:func:`file_digests`).
     """
     path = Path(path)
-    if path.is_file():
-        return _file_digest(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: nothing to digest")
-    h = hashlib.sha256()
-    for relative, file_digest in file_digests(path).items():
-        h.update(relative.encode() + b"\0" + file_digest.encode() + b"\n")
+    return _cached_digest(str(path.resolve()), algorithm, file_key(path.stat()))
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file (:func:`file_digest`): what ``score-images`` records."""
+    return file_digest(path, LEGACY_DIGEST_ALGORITHM)
+
+
+def hash_counts() -> dict[str, Any]:
+    """What this process hashed since :func:`reset_hash_counts`.
+
+    ``read``: hashed by reading files (``files``: how many hashings, ``bytes``, and ``paths``:
+    path -> ``{"times", "bytes"}``); ``written``: hashed while writing them (files, bytes).
+    """
+    with _reads_lock:
+        paths = {path: {"times": t, "bytes": b} for path, (t, b) in _reads.items()}
+    read = {
+        "files": sum(p["times"] for p in paths.values()),
+        "bytes": sum(p["bytes"] for p in paths.values()),
+        "paths": paths,
+    }
+    return {"read": read, "written": written_counts()}
+
+
+def reset_hash_counts() -> None:
+    """Zero :func:`hash_counts` (the digests already known stay known)."""
+    with _reads_lock:
+        _reads.clear()
+    reset_written_counts()
+
+
+def manifest_algorithm(manifest: Mapping[str, Any], where: str | Path = "the manifest") -> str:
+    """The algorithm of a manifest's digests: its ``digest_algorithm``, sha256 if it has none.
+
+    Manifests written before the algorithm was named are sha256 ones. ``where`` names the
+    manifest in the error an unknown algorithm raises.
+    """
+    algorithm = manifest.get("digest_algorithm", LEGACY_DIGEST_ALGORITHM)
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise ManifestError(
+            f"{where}: digest_algorithm {algorithm!r} is not one this version verifies "
+            f"({', '.join(DIGEST_ALGORITHMS)}); rerun the stage that wrote it, or use a newer "
+            "jagg-pipeline"
+        )
+    return algorithm
+
+
+def _combined(digests: Mapping[str, str], algorithm: str) -> str:
+    """One digest of a folder's files: its relative names and their digests, in path order."""
+    h = new_hasher(algorithm)
+    for relative in sorted(digests, key=lambda name: name.split("/")):
+        h.update(relative.encode() + b"\0" + digests[relative].encode() + b"\n")
     return h.hexdigest()
+
+
+def _listed_digests(path: Path, algorithm: str) -> dict[str, str] | None:
+    """The digests of ``path``'s data files as a finished output's manifest lists them.
+
+    Keyed as :func:`file_digests` keys them. The manifest is the nearest one of ``path`` or
+    a folder above it; None unless it is in ``algorithm`` and lists exactly the data files
+    ``path`` holds (a listing, nothing read).
+    """
+    path = path.absolute()
+    for output in (path, *path.parents):
+        where = manifest_path(output)
+        if where.is_file():
+            break
+    else:
+        return None
+    try:
+        manifest = json.loads(where.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    if manifest.get("digest_algorithm", LEGACY_DIGEST_ALGORITHM) != algorithm:
+        return None
+    listed = manifest["files"]
+    root = output.parent if output.is_file() else output
+    on_disk = {f.relative_to(root).as_posix(): f for f in _data_files(path)}
+    if path.is_dir() and path != root:
+        prefix = path.relative_to(root).as_posix() + "/"
+        wanted = {name for name in listed if name.startswith(prefix)}
+    else:
+        wanted = set(listed) if path.is_dir() else set(on_disk)
+    if set(on_disk) != wanted or not wanted <= set(listed):
+        return None
+    base = path if path.is_dir() else path.parent
+    return {f.relative_to(base).as_posix(): listed[name] for name, f in on_disk.items()}
+
+
+def digest_path(path: str | Path, algorithm: str = DIGEST_ALGORITHM) -> str:
+    """``algorithm`` digest of a file, or of a directory's files (relative names and digests).
+
+    A directory's own manifest and its metrics (timings: not data) are left out, so writing
+    them does not change the digest. In a finished output (the output, or a folder or file in
+    it: a checkpoint's ``policy/``) the digests are those its manifest lists, when it lists
+    exactly the files there in ``algorithm``: nothing is read, since a consumer verifies
+    the files it reads (:func:`verify_files`). Else :func:`file_digests`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: nothing to digest")
+    digests = _listed_digests(path, algorithm)
+    if digests is None:
+        digests = file_digests(path, algorithm)
+    return digests[path.name] if path.is_file() else _combined(digests, algorithm)
 
 
 # Sharded tensor folders keep their index in a hidden file.
@@ -133,32 +269,76 @@ def _data_files(path: Path) -> list[Path]:
     )
 
 
-def file_digests(output: str | Path) -> dict[str, str]:
-    """sha256 of every data file of ``output`` by name (relative to a directory output)."""
+def file_digests(
+    output: str | Path,
+    algorithm: str = DIGEST_ALGORITHM,
+    recorded: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The digest of every data file of ``output`` by name (relative to a directory output).
+
+    Each is the digest recorded while the file was written: in ``recorded`` (relative name
+    -> digest, from the other processes of a sharded write, :func:`recorded_digests`), else
+    in this process's ledger (:mod:`jagg_pipeline.io.artifacts`). Only a file nobody
+    recorded is read to hash it (:func:`file_digest`, counted).
+    """
     output = Path(output)
     root = output.parent if output.is_file() else output
-    return {f.relative_to(root).as_posix(): _file_digest(f) for f in _data_files(output)}
+    files = {f.relative_to(root).as_posix(): f for f in _data_files(output)}
+    recorded = dict(recorded or {})
+    if absent := sorted(set(recorded) - set(files)):
+        raise ValueError(f"{output}: digests were recorded for files it lacks: {absent[:3]}")
+    return {
+        name: recorded.get(name) or recorded_digest(file, algorithm) or file_digest(file, algorithm)
+        for name, file in files.items()
+    }
 
 
-def verify_files(output: str | Path, manifest: Mapping[str, Any]) -> None:
+def recorded_digests(folder: str | Path, algorithm: str = DIGEST_ALGORITHM) -> dict[str, str]:
+    """The digests this process recorded while writing ``folder``'s data files, by name.
+
+    Names are relative to ``folder``: what each rank of a sharded write sends to the rank
+    that writes the manifest (``recorded`` of :func:`finish_output`). Nothing is read.
+    """
+    folder = Path(folder)
+    return {
+        file.relative_to(folder).as_posix(): found
+        for file in _data_files(folder)
+        if (found := recorded_digest(file, algorithm)) is not None
+    }
+
+
+def verify_files(
+    output: str | Path, manifest: Mapping[str, Any], names: Iterable[str] | None = None
+) -> None:
     """Refuse ``output`` if a data file its manifest lists is missing or has other bytes.
 
+    ``names``: the files to check (relative names, as the manifest lists them; None: every
+    file listed), each hashed with the manifest's algorithm (:func:`manifest_algorithm`).
     The error names the file: a truncated shard, a flipped byte, an edited table, a cut
     weight file. Manifests written before files were recorded are not checked.
     """
     output = Path(output)
     root = output.parent if output.is_file() else output
-    for name, recorded in (manifest.get("files") or {}).items():
+    listed = manifest.get("files")
+    if listed is None:
+        return
+    where = manifest_path(output)
+    algorithm = manifest_algorithm(manifest, where)
+    for name in listed if names is None else names:
         file = root / name
+        if name not in listed:
+            raise ManifestError(
+                f"{file}: not listed in {where}, so it cannot be verified; rerun the stage "
+                "that wrote the output"
+            )
         if not file.is_file():
             raise ManifestError(
-                f"{file}: missing, though {manifest_path(output)} lists it; rerun the stage "
-                "that wrote it"
+                f"{file}: missing, though {where} lists it; rerun the stage that wrote it"
             )
-        if _file_digest(file) != recorded:
+        if file_digest(file, algorithm) != listed[name]:
             raise ManifestError(
-                f"{file}: corrupt or changed since it was written (its sha256 differs from "
-                f"{manifest_path(output)}); rerun the stage that wrote it"
+                f"{file}: corrupt or changed since it was written (its {algorithm} differs "
+                f"from {where}); rerun the stage that wrote it"
             )
 
 
@@ -175,19 +355,27 @@ def write_manifest(
     seeds: Mapping[str, Any] | None = None,
     inputs: Mapping[str, str | Path] | None = None,
     extra: Mapping[str, Any] | None = None,
+    recorded: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write the manifest of ``output`` (after ``output`` itself is complete)."""
+    """Write the manifest of ``output`` (after ``output`` itself is complete).
+
+    Its digests are :data:`DIGEST_ALGORITHM` ones, named in ``digest_algorithm``; each file's
+    is the one recorded while writing it (``recorded``: by other processes, see
+    :func:`file_digests`), each input's comes from the input's own manifest
+    (:func:`digest_path`).
+    """
     manifest = {
         "stage": stage,
         "version": __version__,
+        "digest_algorithm": DIGEST_ALGORITHM,
         "config_digest": digest(config),
         "sections": section_digests(config),
         "seeds": dict(seeds or {}),
         "inputs": {
-            name: {"path": str(path), "digest": digest_path(path)}
+            name: {"path": str(path), "digest": digest_path(path, DIGEST_ALGORITHM)}
             for name, path in (inputs or {}).items()
         },
-        "files": file_digests(output),
+        "files": file_digests(output, DIGEST_ALGORITHM, recorded),
         **dict(extra or {}),
     }
     return atomic_write_json(manifest_path(output), manifest)
@@ -207,17 +395,13 @@ def read_manifest(output: str | Path) -> dict[str, Any]:
         raise ManifestError(f"{path}: not valid JSON ({err})") from None
 
 
-def check_input(
-    path: str | Path,
-    *,
-    stage: str | Iterable[str],
-    config: Any,
-    sections: Iterable[str] = (),
+def check_made(
+    path: str | Path, *, stage: str | Iterable[str], config: Any, sections: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """Refuse ``path`` unless a ``stage`` output made under the same ``sections`` of ``config``.
+    """The manifest of ``path``, refused unless a ``stage`` output made under ``sections``.
 
-    Every data file is verified against the digest its manifest records (:func:`verify_files`).
-    Returns the input's manifest.
+    Nothing is hashed: a consumer verifies the files it reads (:func:`verify_files`,
+    :mod:`jagg_pipeline.io.verify` once per node).
     """
     manifest = read_manifest(path)
     stages = {stage} if isinstance(stage, str) else set(stage)
@@ -225,9 +409,7 @@ def check_input(
         raise ManifestError(
             f"{path}: is a {manifest.get('stage')!r} output, expected {' or '.join(sorted(stages))}"
         )
-    verify_files(path, manifest)
-    ours = section_digests(config)
-    theirs = manifest.get("sections", {})
+    ours, theirs = section_digests(config), manifest.get("sections", {})
     differing = [s for s in sections if theirs.get(s) != ours[s]]
     if differing:
         raise ManifestError(
@@ -238,12 +420,32 @@ def check_input(
     return manifest
 
 
+def check_input(
+    path: str | Path,
+    *,
+    stage: str | Iterable[str],
+    config: Any,
+    sections: Iterable[str] = (),
+) -> dict[str, Any]:
+    """:func:`check_made`, then every data file verified against its recorded digest.
+
+    For a consumer that reads all of ``path`` (:func:`verify_files`). Returns the manifest.
+    """
+    manifest = check_made(path, stage=stage, config=config, sections=sections)
+    verify_files(path, manifest)
+    return manifest
+
+
 def check_derived_from(
     path: str | Path, manifest: Mapping[str, Any], name: str, source: str | Path
 ) -> None:
-    """Refuse ``path`` unless its manifest lists ``source`` (as input ``name``) with its digest."""
+    """Refuse ``path`` unless its manifest lists ``source`` (as input ``name``) with its digest.
+
+    The digest of ``source`` is computed with the algorithm of ``path``'s manifest.
+    """
+    algorithm = manifest_algorithm(manifest, manifest_path(path))
     recorded = manifest.get("inputs", {}).get(name)
-    if recorded is None or recorded.get("digest") != digest_path(source):
+    if recorded is None or recorded.get("digest") != digest_path(source, algorithm):
         raise ManifestError(
             f"{path}: was not computed from {source} (its manifest's input {name!r} is "
             f"{recorded['path'] if recorded else 'missing'} with another digest)"
@@ -279,15 +481,27 @@ def finish_output(
     seeds: Mapping[str, Any] | None = None,
     inputs: Mapping[str, str | Path] | None = None,
     extra: Mapping[str, Any] | None = None,
+    recorded: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write the resolved config beside ``output``, then its manifest (last: it marks done)."""
+    """Write the resolved config beside ``output``, then its manifest (last: it marks done).
+
+    ``recorded``: the digests other processes recorded while writing their files of
+    ``output`` (relative names; the union of their :func:`recorded_digests`), so that no
+    file is read back (:func:`write_manifest`).
+    """
     import yaml
 
     atomic_write_text(
         resolved_config_path(output), yaml.safe_dump(to_dict(config), sort_keys=False)
     )
     return write_manifest(
-        output, stage=stage, config=config, seeds=seeds, inputs=inputs, extra=extra
+        output,
+        stage=stage,
+        config=config,
+        seeds=seeds,
+        inputs=inputs,
+        extra=extra,
+        recorded=recorded,
     )
 
 

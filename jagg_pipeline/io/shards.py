@@ -43,20 +43,54 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def save(state: dict[str, Any], folder: str | Path) -> None:
-    """Write ``state`` into ``folder`` (a collective under a process group).
+def _writer(folder: str | Path) -> Any:
+    """DCP's file-system writer, deterministic, recording the digest of every file it writes.
 
     The same state gives the same bytes: DCP's writer would record the folder's path and a
-    random save id in ``.metadata``, which would make every rerun's digest differ.
+    random save id in ``.metadata``, which would make every rerun's digest differ. Each file
+    (``.distcp`` shards from DCP's writer threads, ``.metadata`` written as a temporary file
+    and renamed) is hashed as DCP writes it, so the manifest of the folder reads none back
+    (:class:`jagg_pipeline.io.artifacts.DigestingWriter`).
     """
+    from contextlib import contextmanager
+
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from jagg_pipeline.io.artifacts import DigestingWriter
+
+    class DigestingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | Path, mode: str) -> Iterator[Any]:
+            if mode != "wb":  # reading (DCP's writer opens nothing else)
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with DigestingWriter(path) as stream:
+                yield stream
 
     class Writer(dcp.FileSystemWriter):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.fs = DigestingFileSystem()
+            self.path = self.fs.init_path(path)
+
         def storage_meta(self) -> None:
             return None
 
+    return Writer(str(folder))
+
+
+def save(state: dict[str, Any], folder: str | Path) -> None:
+    """Write ``state`` into ``folder`` (a collective under a process group).
+
+    Every file's digest is recorded as it is written (:func:`_writer`): each rank's are its
+    own, :func:`jagg_pipeline.io.manifest.recorded_digests` returns them.
+    """
+    import torch.distributed.checkpoint as dcp
+
     with _quiet():
-        dcp.save(state, storage_writer=Writer(str(folder)), no_dist=not _distributed())
+        dcp.save(state, storage_writer=_writer(folder), no_dist=not _distributed())
 
 
 def load(state: dict[str, Any], folder: str | Path, *, collective: bool | None = None) -> None:
@@ -71,6 +105,26 @@ def load(state: dict[str, Any], folder: str | Path, *, collective: bool | None =
     collective = _distributed() if collective is None else collective
     with _quiet():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not collective)
+
+
+def files_read(state: dict[str, Any], folder: str | Path) -> list[str]:
+    """The files of ``folder`` that :func:`load` of ``state`` reads, relative to it.
+
+    ``.metadata`` and the files holding the chunks ``state``'s tensors overlap: under a
+    process group, the chunks of this rank's shards. DCP's own load planner makes the plan
+    from ``.metadata`` (the only file read here), as :func:`load` will.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    # Keys the folder lacks are the loader's to refuse (with a message naming them).
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    storage = metadata.storage_data
+    plan = planner.create_local_plan()
+    chunks = {storage[item.storage_index].relative_path for item in plan.items}
+    return sorted({METADATA_FILE, *chunks})
 
 
 def keys(folder: str | Path) -> dict[str, tuple[int, ...] | None]:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jagg_pipeline.io.artifacts import atomic_output, atomic_write_text
+from jagg_pipeline.io.artifacts import atomic_write_bytes, atomic_write_text
 from jagg_pipeline.support.errors import InputError
 
 TABLE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -85,7 +85,11 @@ def read_table(path: str | os.PathLike[str]) -> list[Any]:
 
 
 def write_table(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
-    """Write ``rows`` (dicts with the same keys) as csv, jsonl or parquet, by suffix, atomically."""
+    """Write ``rows`` (dicts with the same keys) as csv, jsonl or parquet, by suffix, atomically.
+
+    The table is made in memory and its digest recorded as it is written
+    (:func:`~jagg_pipeline.io.artifacts.atomic_write_bytes`).
+    """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in WRITE_SUFFIXES:
@@ -106,6 +110,7 @@ def write_table(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Pat
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        with atomic_output(path) as tmp:
-            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows), sink)
+        atomic_write_bytes(path, sink.getvalue())
     return path

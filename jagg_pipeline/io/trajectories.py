@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from jagg_pipeline.core.sde import StepMasks
-from jagg_pipeline.io.artifacts import atomic_output, atomic_write_json
+from jagg_pipeline.io.artifacts import atomic_write_json, atomic_write_safetensors
 from jagg_pipeline.support.errors import InputError
 
 COND_PREFIX = "cond."
@@ -130,9 +130,11 @@ class TrajectoryBatch:
         return {k: self.velocities[:, j] for j, k in enumerate(self.velocity_steps)}
 
     def save(self, directory: str | Path, rank: int = 0) -> Path:
-        """Write ``shard-<rank>.safetensors`` and ``shard-<rank>.json`` atomically."""
-        from safetensors.torch import save_file
+        """Write ``shard-<rank>.safetensors`` and ``shard-<rank>.json`` atomically.
 
+        Their digests are recorded as they are written, for the rollout's manifest
+        (:func:`~jagg_pipeline.io.artifacts.atomic_write_safetensors`).
+        """
         directory = Path(directory)
         tensors = {name: getattr(self, name) for name in (*_TENSORS, *_PER_SAMPLE)}
         tensors.update({COND_PREFIX + k: v for k, v in self.cond.items()})
@@ -141,8 +143,7 @@ class TrajectoryBatch:
                 tensors[name] = getattr(self, name)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         path = directory / f"shard-{rank}.safetensors"
-        with atomic_output(path) as tmp:
-            save_file(tensors, str(tmp))
+        atomic_write_safetensors(path, tensors)
         meta = {"prompts": self.prompts, "velocity_steps": self.velocity_steps}
         atomic_write_json(directory / f"shard-{rank}.json", meta)
         return path
@@ -196,8 +197,9 @@ class RolloutReader:
     Opening it reads every shard's small per-sample columns (prompt, group, seed, sample id)
     and checks that the shards hold samples 0..B-1 exactly once; :meth:`select` then reads
     the trajectories of the samples asked for, as slices of the shard files, so a rank holds
-    in memory only what it trains on. Offers what training reads of a
-    :class:`TrajectoryBatch` of the whole rollout (``len``, ``trained_steps``, the ids).
+    in memory only what it trains on, and :meth:`images` only their images (what scoring
+    reads). Offers what training reads of a :class:`TrajectoryBatch` of the whole rollout
+    (``len``, ``trained_steps``, the ids).
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -219,9 +221,11 @@ class RolloutReader:
         self._paths = [path for _, path in paths]
         metas = [json.loads(path.with_suffix(".json").read_text()) for path in self._paths]
         columns: dict[str, list[torch.Tensor]] = {}
+        self._names: list[set[str]] = []  # the tensors each shard holds
         for path in self._paths:
             with safe_open(str(path), "pt") as handle:
                 names = set(handle.keys())
+                self._names.append(names)
                 for name in (*_PER_SAMPLE, "sample_ids", "sigmas", "sde_mask", "train_mask"):
                     if name in names:
                         columns.setdefault(name, []).append(handle.get_tensor(name))
@@ -266,31 +270,17 @@ class RolloutReader:
     def select(self, samples: Sequence[int], *, images: bool = False) -> TrajectoryBatch:
         """The trajectories of ``samples`` (indices in the rollout), in that order.
 
-        ``images``: read the decoded images too (scoring needs them, training does not).
+        ``images``: read the decoded images too (:meth:`images` reads only those).
         """
-        from safetensors import safe_open
-
         samples = torch.as_tensor(list(samples), dtype=torch.long)
-        tensors: dict[str, list[torch.Tensor]] = {}
-        positions = []
-        for shard, path in enumerate(self._paths):
-            mine = (self._shard[samples] == shard).nonzero().flatten()
-            if not len(mine):
-                continue
-            rows = self._row[samples[mine]]
-            positions.append(mine)
-            with safe_open(str(path), "pt") as handle:
-                names = [
-                    n
-                    for n in handle.keys()  # noqa: SIM118 (safe_open has no __iter__)
-                    if n in ("latents", "log_probs", "velocities")
-                    or n.startswith(COND_PREFIX)
-                    or (images and n == "images")
-                ]
-                for name in names:
-                    tensors.setdefault(name, []).append(_read_rows(handle, name, rows))
-        where = torch.argsort(torch.cat(positions))  # back into the order asked for
-        part = {name: torch.cat(values)[where] for name, values in tensors.items()}
+        part = self._read(
+            samples,
+            lambda n: (
+                n in ("latents", "log_probs", "velocities")
+                or n.startswith(COND_PREFIX)
+                or (images and n == "images")
+            ),
+        )
         cond = {k[len(COND_PREFIX) :]: v for k, v in part.items() if k.startswith(COND_PREFIX)}
         return TrajectoryBatch(
             latents=part["latents"],
@@ -308,6 +298,49 @@ class RolloutReader:
             velocities=part.get("velocities"),
             velocity_steps=self.velocity_steps,
         )
+
+    def images(self, samples: Sequence[int]) -> torch.Tensor:
+        """The stored uint8 images [len(samples), 3, H, W] of ``samples``, in that order.
+
+        Reads only those rows of each shard's ``images`` tensor: no trajectory, no conditioning,
+        so scoring a chunk at a time holds one chunk of images, whatever the rollout's size.
+        """
+        lacking = [i for i, names in enumerate(self._names) if "images" not in names]
+        if lacking:
+            raise InputError(
+                f"{self.directory}: shard(s) {lacking} hold no images to score; rerun the rollout"
+            )
+        samples = torch.as_tensor(list(samples), dtype=torch.long)
+        return self._read(samples, lambda n: n == "images")["images"]
+
+    def _read(
+        self, samples: torch.Tensor, wanted: Callable[[str], bool]
+    ) -> dict[str, torch.Tensor]:
+        """The tensors named ``wanted`` of ``samples``, rows sliced from each shard file.
+
+        Each shard's rows go straight to their places in one tensor per name: a read holds
+        the result and one shard's slice, never a second copy of the result.
+        """
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        filled: dict[str, int] = {}
+        for shard, path in enumerate(self._paths):
+            mine = (self._shard[samples] == shard).nonzero().flatten()
+            if not len(mine):
+                continue
+            rows = self._row[samples[mine]]
+            with safe_open(str(path), "pt") as handle:
+                for name in sorted(n for n in self._names[shard] if wanted(n)):
+                    part = _read_rows(handle, name, rows)
+                    if name not in out:
+                        out[name] = part.new_empty((len(samples), *part.shape[1:]))
+                    out[name][mine] = part  # in the order asked for
+                    filled[name] = filled.get(name, 0) + len(mine)
+        partial = sorted(name for name, count in filled.items() if count != len(samples))
+        if partial:
+            raise InputError(f"{self.directory}: only some shards hold {', '.join(partial)}")
+        return out
 
 
 def _read_rows(handle: Any, name: str, rows: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,9 @@ def load_hf_clip(
 ) -> HFClip:
     """Load a ``CLIPModel`` and ``CLIPProcessor`` (local dirs first, hub ids second).
 
-    Errors name ``rewards.<reward>.model`` or ``rewards.<reward>.processor``.
+    transformers builds the model on the meta device (no random initialisation) and reads the
+    weights straight onto ``device`` in ``dtype``. Errors name ``rewards.<reward>.model`` or
+    ``rewards.<reward>.processor``.
     """
     from transformers import CLIPModel, CLIPProcessor
 
@@ -97,7 +99,7 @@ def load_hf_clip(
         config_key(reward, "model"),
         model,
         "a local directory holding a transformers CLIPModel (save_pretrained) or a hub id",
-        lambda source: CLIPModel.from_pretrained(source, dtype=dtype),
+        lambda source: CLIPModel.from_pretrained(source, dtype=dtype, device_map=device),
         RewardConfigError,
     )
     clip_processor = load_pretrained_dir(
@@ -107,5 +109,5 @@ def load_hf_clip(
         CLIPProcessor.from_pretrained,
         RewardConfigError,
     )
-    clip_model.to(device).eval().requires_grad_(False)
+    clip_model.eval().requires_grad_(False)
     return HFClip(model=clip_model, processor=clip_processor)

@@ -1,8 +1,10 @@
 """HPSv2.1: open_clip ViT-H-14 + HPS v2.1 weights; cosine, no logit scale, in [-1, 1].
 
-The architecture is built by open_clip without pretrained weights and the HPS checkpoint (the
-distributed ``HPS_v2.1_compressed.pt``, weights under ``"state_dict"``) is loaded into it: it
-has exactly the keys of hpsv2's vendored copy of open_clip. Preprocessing reproduces HPS's
+The architecture is built by open_clip on the meta device (shapes only: no random
+initialisation, no memory) and the HPS checkpoint (the distributed ``HPS_v2.1_compressed.pt``,
+weights under ``"state_dict"``, exactly the keys of hpsv2's vendored copy of open_clip) is
+assigned to it, read straight onto the configured device; the only tensors the checkpoint lacks,
+the text towers' causal attention masks, are rebuilt. Preprocessing reproduces HPS's
 evaluation transform (``ResizeMaxSize``): longest side to the model's image size (bicubic,
 antialiased), zero padding to a square with the extra pixel right/bottom, OpenAI mean/std.
 ``hpsv2.score()`` is never called: it downloads 3.9 GB on every first call.
@@ -109,8 +111,9 @@ def _arch_name(arch: str) -> str:
 
 @contextmanager
 def _quiet_random_init_warning() -> Iterator[None]:
-    # open_clip warns "initialized randomly" when built without pretrained weights; here the
-    # HPS weights are loaded right after, so the warning would only mislead.
+    # open_clip warns "initialized randomly" when built without pretrained weights; here it is
+    # built on the meta device (not initialised at all) and the HPS weights are assigned right
+    # after, so the warning would only mislead.
     def keep(record: logging.LogRecord) -> bool:
         return "initialized randomly" not in record.getMessage()
 
@@ -122,8 +125,44 @@ def _quiet_random_init_warning() -> Iterator[None]:
         root.removeFilter(keep)
 
 
+def _empty_model(arch: str) -> torch.nn.Module:
+    """``arch`` with every tensor on the meta device: its shapes, no init, no memory."""
+    import open_clip
+
+    with _quiet_random_init_warning(), torch.device("meta"):
+        return open_clip.create_model(arch, pretrained=None, device="meta")
+
+
+def _rebuild_causal_masks(model: torch.nn.Module, arch: str) -> None:
+    """Rebuild the non-persistent buffers a meta-built model still lacks after loading.
+
+    open_clip's only ones are the text towers' causal attention masks (``attn_mask`` of
+    ``CLIP``, ``TextTransformer``, ``MultimodalTransformer``): additive, -inf above the
+    diagonal, exactly as their ``build_causal_mask`` fills them.
+    """
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if not buffer.is_meta:
+                continue
+            if name != "attn_mask":
+                where = f"{module_name}.{name}".lstrip(".")
+                raise RewardConfigError(
+                    f"{config_key(NAME, 'arch')}: {arch!r} has a buffer {where} that is not "
+                    "in the checkpoint and not a causal mask this loader can rebuild; use an "
+                    "architecture of open_clip's own towers (e.g. 'ViT-H-14')"
+                )
+            mask = torch.full(buffer.shape, float("-inf")).triu_(1)
+            module.register_buffer(name, mask, persistent=False)
+
+
 def load_open_clip(spec: HPSv21Config, device: torch.device) -> OpenClipScorer:
-    """Build ``spec.arch`` without pretrained weights and load the HPS checkpoint into it."""
+    """Build ``spec.arch`` from the HPS checkpoint alone, in ``spec.dtype`` on ``device``.
+
+    No random initialisation and no float32 copy: the model is built on the meta device, the
+    checkpoint is read onto ``device`` and assigned to it, and each tensor is then cast to the
+    spec's dtype in place of the stored one. Scores are bit-identical to building the model
+    randomly initialised and copying the weights into it.
+    """
     import open_clip
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
@@ -138,19 +177,22 @@ def load_open_clip(spec: HPSv21Config, device: torch.device) -> OpenClipScorer:
         RewardConfigError,
     )
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:  # torch raises several unrelated types for corrupt files
         raise RewardConfigError(f"{key}: {path} is not a loadable torch checkpoint: {err}") from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise RewardConfigError(f"{key}: {path} has no 'state_dict' entry (HPS v2.1 format)")
-    with _quiet_random_init_warning():
-        model = open_clip.create_model(arch, pretrained=None)
+    state = checkpoint.pop("state_dict")
+    del checkpoint  # the model becomes the only owner of the weights: each cast frees its source
+    model = _empty_model(arch)
     try:
-        model.load_state_dict(checkpoint["state_dict"])
+        model.load_state_dict(state, assign=True)
     except RuntimeError as err:
         raise RewardConfigError(
             f"{key}: {path} does not match {config_key(NAME, 'arch')} = {spec.arch!r}: {err}"
         ) from err
+    del state
+    _rebuild_causal_masks(model, spec.arch)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     size = model.visual.image_size
     return OpenClipScorer(

@@ -20,7 +20,8 @@ optimizer state, so saving needs no more host memory than training, and a checkp
 by N ranks is read back by any number (each reads the chunks its shards overlap). Everything
 is written into ``.CKPT.partial`` beside the target and renamed into place by rank 0 at the
 end, so nothing half-written ever appears under the final name, and a killed run's leftovers
-are cleared by the rerun. Nothing non-finite is ever written.
+are cleared by the rerun. Nothing non-finite is ever written. Each rank hashes its shards as it
+writes them and sends the digests to rank 0, whose manifest so reads no file back.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from jagg_pipeline.io import shards
 from jagg_pipeline.io.artifacts import (
     METRICS_NAME,
     atomic_directory,
+    atomic_write_safetensors,
     atomic_write_text,
     metrics_record,
     staging_path,
 )
+from jagg_pipeline.io.manifest import recorded_digests
 from jagg_pipeline.stages import distributed
 
 STAGE = "train"
@@ -138,8 +141,14 @@ def write_checkpoint(
     with atomic_directory(target) if main else nullcontext(staging_path(target)) as staging:
         distributed.barrier()  # rank 0 has made the staging folder
         _write_shards(staging, contents)
+        # Every rank's shard digests, recorded as it wrote them: rank 0 reads no shard back.
+        recorded = {
+            name: found
+            for digests in distributed.all_gather_object(recorded_digests(staging))
+            for name, found in digests.items()
+        }
         if main:
-            _write_main_files(staging, contents, config, seeds, inputs, extra)
+            _write_main_files(staging, contents, config, seeds, inputs, extra, recorded)
     distributed.barrier()  # in place before any rank goes on
     return target
 
@@ -160,23 +169,28 @@ def _write_main_files(
     seeds: Mapping[str, Any],
     inputs: Mapping[str, str | Path],
     extra: Mapping[str, Any],
+    recorded: Mapping[str, str],
 ) -> None:
-    """Rank 0's part: trainer state, generator, metrics, config and manifest (last)."""
-    from safetensors.torch import save_file
+    """Rank 0's part: trainer state, generator, metrics, config and manifest (last).
 
+    ``recorded``: the digests of the shards every rank wrote, by name in ``staging``.
+    """
     from jagg_pipeline.io.manifest import finish_output
 
     trainer = staging / TRAINER_DIR
     state = _json_safe(dataclasses.asdict(contents.trainer))
     atomic_write_text(trainer / STATE_FILE, json.dumps(state, indent=2) + "\n")
-    save_file({"trainer": contents.rng_state.cpu().contiguous()}, str(trainer / RNG_FILE))
+    rng = {"trainer": contents.rng_state.cpu().contiguous()}
+    atomic_write_safetensors(trainer / RNG_FILE, rng)
     records = (
         metrics_record(STAGE, row["round"], row["step"], _step_values(row))
         for row in contents.metrics
     )
     atomic_write_text(staging / METRICS_NAME, "".join(json.dumps(r) + "\n" for r in records))
     # config.yaml, then the manifest: the last file, the mark of a finished checkpoint.
-    finish_output(staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra)
+    finish_output(
+        staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra, recorded=recorded
+    )
 
 
 def _step_values(row: Mapping[str, Any]) -> dict[str, Any]:

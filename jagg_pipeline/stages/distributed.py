@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from jagg_pipeline.backbones.base import Backbone
+from jagg_pipeline.io.shards import local_tensor
 from jagg_pipeline.support.errors import InputError
 
 # Frozen parameters (a LoRA base model, dead modules) never change: the base checkpoint has them.
@@ -170,6 +172,13 @@ def all_gather_object(value: Any) -> list[Any]:
     return values
 
 
+def gather_object(value: Any) -> list[Any] | None:
+    """Every rank's ``value``, in rank order, on rank 0 (None on the others)."""
+    values: list[Any] | None = [None] * dist.get_world_size() if is_main() else None
+    dist.gather_object(value, values, dst=0)
+    return values
+
+
 def is_main() -> bool:
     """Whether this process is rank 0 of the process group (the one that writes files)."""
     return dist.get_rank() == 0
@@ -212,6 +221,46 @@ def set_gradient_sync(root: nn.Module, enabled: bool) -> None:
     if not isinstance(root, FSDPModule):
         raise TypeError(f"{type(root).__name__} is not sharded; call shard_backbone first")
     root.set_requires_gradient_sync(enabled)
+
+
+def materialize(module: nn.Module, device: torch.device) -> set[str]:
+    """Allocate a sharded module's meta parameters as this rank's local shards on ``device``.
+
+    ``to_empty`` allocates every parameter's local shard (and every buffer) anew, unset; what
+    was real before (buffers, LoRA adapters drawn at injection) gets its values back. Returns
+    the names of the parameters that were on the meta device: the caller fills them (their
+    rows: :func:`local_rows`) before the first forward, when FSDP2 takes up the local shards.
+    """
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    empty = {name for name, tensor in tensors if local_tensor(tensor).is_meta}
+    kept = {
+        name: local_tensor(tensor).detach().clone() for name, tensor in tensors if name not in empty
+    }
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in kept:
+                local_tensor(tensor).copy_(kept[name])
+    return {name for name, _ in module.named_parameters()} & empty
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
+    """The calling rank's part of a parameter: its local tensor and the rows of dim 0 it is.
+
+    FSDP2 shards each parameter by rows (``Shard(0)`` over the 1-D mesh); a tensor that is
+    not sharded is held whole (None).
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor, None
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"expected a parameter sharded by rows, got {tensor.placements}")
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"local shard of shape {tuple(local.shape)}, expected {shape}")
+    return local, slice(offset[0], offset[0] + shape[0])
 
 
 # --------------------------------------------------------------------------------------------

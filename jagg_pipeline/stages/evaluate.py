@@ -29,10 +29,9 @@ from jagg_pipeline.core import sde
 from jagg_pipeline.io.artifacts import (
     METRICS_NAME,
     append_metrics,
-    atomic_output,
     atomic_write_json,
 )
-from jagg_pipeline.io.figures import save_image_grid
+from jagg_pipeline.io.figures import save_image_grid, save_png
 from jagg_pipeline.io.manifest import begin_output, finish_output, stage_inputs
 from jagg_pipeline.io.prompts import resolve_prompts
 from jagg_pipeline.io.tables import write_table
@@ -97,38 +96,70 @@ def plan_evaluation(config: Any) -> RolloutPlan:
     )
 
 
+def _sample_share(
+    backbone: Backbone, plan: RolloutPlan, rank: int, world_size: int, progress: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(sample ids, seeds, images) of the whole plan on rank 0 (None on the other ranks).
+
+    Each rank samples its share of the micro-batches (padding to the same number of forward
+    collectives, as the rollout does); the images go to rank 0, in sample order.
+    """
+    from jagg_pipeline.stages.distributed import gather_object
+    from jagg_pipeline.stages.rollout import batches_per_rank
+
+    batch = sample_batches(
+        backbone,
+        plan,
+        plan.share(rank, world_size),
+        desc="evaluate" if world_size == 1 else f"evaluate rank {rank}",
+        progress=progress,
+        pad_to=batches_per_rank(plan, world_size),
+    )
+    mine = None if batch is None else (batch.sample_ids, batch.seeds, batch.images)
+    if world_size == 1:
+        return mine
+    shares = [share for share in gather_object(mine) or [] if share is not None]
+    if rank != 0:
+        return None
+    ids, seeds, images = (torch.cat(column) for column in zip(*shares, strict=True))
+    order = torch.argsort(ids)
+    return ids[order], seeds[order], images[order]
+
+
 def evaluate(
     config: Any,
     backbone: Backbone,
     progress: bool = True,
     clock: StageClock | None = None,
     plan: RolloutPlan | None = None,
-) -> Evaluation:
+    rank: int = 0,
+    world_size: int = 1,
+) -> Evaluation | None:
     """Sample the evaluation images with ``backbone`` and score them with every metric.
 
     ``clock``: the evaluate stage's; loading the metrics' reward models counts as its load,
     sampling and scoring as its work (None: not timed). ``plan``: :func:`plan_evaluation`'s,
-    when made already (None: made here).
+    when made already (None: made here). Under a process group of ``world_size`` ranks, every
+    rank samples its share with the (sharded) ``backbone`` and rank 0 scores every image (as
+    one process would, bit for bit) and returns the evaluation; the other ranks return None.
     """
     clock = clock or StageClock()
     plan = plan or plan_evaluation(config)
-    batch = sample_batches(backbone, plan, plan.micro_batches, desc="evaluate", progress=progress)
+    sampled = _sample_share(backbone, plan, rank, world_size, progress)
     clock.lap("work")
+    if sampled is None:
+        return None
+    _, seeds, images = sampled
     # The backbone's device is this rank's (cuda:LOCAL_RANK), not the config's bare "cuda".
     device = config.rewards.resolve_device(str(backbone.device))
     metrics = {
         name: load_reward(name, config.rewards.spec(name), device) for name in config.eval.metrics
     }
     clock.lap("load")
-    prompts = [plan.prompts[i] for i in batch.prompt_ids.tolist()]
-    scores = reward_columns(metrics, batch.images, prompts, config.sampler.batch_size)
+    prompts = [plan.prompts[i] for i in plan.prompt_ids.tolist()]
+    scores = reward_columns(metrics, images, prompts, config.sampler.batch_size)
     clock.lap("work")
-    return Evaluation(plan.prompts, plan.group_size, batch.seeds, batch.images, scores)
-
-
-def _save_png(image: Any, path: Path) -> None:
-    with atomic_output(path) as tmp:
-        image.save(tmp, format="PNG")
+    return Evaluation(plan.prompts, plan.group_size, seeds, images, scores)
 
 
 def write_evaluation(
@@ -146,7 +177,7 @@ def write_evaluation(
     for i, image in enumerate(evaluation.images):
         prompt_id, sample = divmod(i, per_sample)
         name = f"{IMAGES_DIR}/{prompt_id:04d}_{sample:02d}.png"
-        _save_png(Image.fromarray(image.permute(1, 2, 0).numpy()), out / name)
+        save_png(Image.fromarray(image.permute(1, 2, 0).numpy()), out / name)
         rows.append(
             {
                 "image": name,
@@ -194,21 +225,54 @@ def _metric_values(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def run_evaluate(
-    config: Any, policy: str | Path, out: str | Path, *, progress: bool = True
-) -> dict[str, Any]:
+    config: Any,
+    policy: str | Path,
+    out: str | Path,
+    *,
+    progress: bool = True,
+    conditioning: str | Path | None = None,
+) -> dict[str, Any] | None:
     """The evaluate stage for ``policy`` (``base`` or a checkpoint directory); returns metrics.
 
     The prompts are read before any model is loaded: a bad prompt file fails at once.
+    ``conditioning``: the encode stage's folder of ``eval.prompts`` (no text encoder is
+    loaded; None: prompts encoded inline). Under torchrun every rank runs this and rank 0
+    writes and returns the report (None elsewhere).
     """
     clock = StageClock.start()
-    from jagg_pipeline.stages.distributed import local_device
-    from jagg_pipeline.stages.policy import load_policy
+    from jagg_pipeline.stages.distributed import barrier, distributed
+    from jagg_pipeline.stages.encode import open_pool
+    from jagg_pipeline.stages.policy import load_sharded_policy
 
     out = Path(out)
     plan = plan_evaluation(config)
-    backbone = load_policy(config, policy, local_device(config.backbone.device))
-    clock.lap("load")
-    evaluation = evaluate(config, backbone, progress, clock, plan)
+    source = open_pool(config, conditioning)
+    with distributed(config.backbone.device) as ctx:
+        # Sharded over every rank, as in the rollout; rank 0 scores and writes.
+        backbone = load_sharded_policy(config, policy, ctx, text_encoders=source is None)
+        backbone.use_precomputed(source)
+        clock.lap("load")
+        evaluation = evaluate(
+            config, backbone, progress and ctx.is_main, clock, plan, ctx.rank, ctx.world_size
+        )
+        report = None
+        if evaluation is not None:
+            report = _write(config, policy, out, evaluation, clock, conditioning)
+        barrier()  # the output is complete before any rank exits
+    return report
+
+
+def _write(
+    config: Any,
+    policy: str | Path,
+    out: Path,
+    evaluation: Evaluation,
+    clock: StageClock,
+    conditioning: str | Path | None,
+) -> dict[str, Any]:
+    """Rank 0's part of the evaluate stage: every file of ``out``, the manifest last."""
+    from jagg_pipeline.stages.encode import conditioning_inputs
+
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, (f"{IMAGES_DIR}/*.png", METRICS_NAME))
     ev = config.eval
@@ -228,7 +292,7 @@ def run_evaluate(
         config,
         stage=STAGE,
         seeds={"eval": ev.seed},
-        inputs=stage_inputs(ev.prompts, policy),
+        inputs=stage_inputs(ev.prompts, policy) | conditioning_inputs(conditioning),
         extra={"policy": str(policy), "prompts": ev.prompts},
     )
     return report

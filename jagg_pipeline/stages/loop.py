@@ -5,8 +5,11 @@ the same stage functions the commands run, chained through the same files, so wh
 here passes in the workflow. Round ``r`` lives in ``workdir/round-<r>/`` (``rollout/``,
 ``scores/``, ``checkpoint/``, and ``metrics/{rollout,score,train}.jsonl``: the copies of the
 stage folders' metric lines that the workflow keeps too, which
-:func:`jagg_pipeline.reports.summary.read_run` reads). With ``evaluate_every`` the loop also runs
-the
+:func:`jagg_pipeline.reports.summary.read_run` reads). As the workflow does by default
+(``workflow.encode_prompts``), the training prompts are encoded once, into
+``workdir/conditioning/`` (the encode stage), and every rollout reads their rows from there:
+text encoders round a prompt's row with the shape of the batch it is encoded in, so encoding
+inline would not give the workflow's bits. With ``evaluate_every`` the loop also runs the
 evaluate stage's protocol (``eval`` section: fixed prompts and seeds, ODE sampling) on the base
 policy and on the checkpoints it names, in memory.
 """
@@ -53,6 +56,7 @@ def _scored_rollout(
     round_index: int,
     progress: bool,
     seconds: dict[str, float],
+    conditioning: Path | None,
 ) -> tuple[Path, Path, float]:
     from jagg_pipeline.stages.rollout import run_rollout
     from jagg_pipeline.stages.scoring import run_score
@@ -68,6 +72,7 @@ def _scored_rollout(
         round_index=round_index,
         column=sampler.prompt_column,
         progress=progress,
+        conditioning=conditioning,
     )
     keep_round_record(rollouts, directory, "rollout")
     seconds["rollout"] = time.perf_counter() - start
@@ -84,7 +89,9 @@ def evaluate_policy(config: Any, policy: str | Path) -> dict[str, float]:
     from jagg_pipeline.stages.policy import load_policy
 
     backbone = load_policy(config, policy)
-    metrics = evaluate(config, backbone, progress=False).metrics()["metrics"]
+    evaluation = evaluate(config, backbone, progress=False)
+    assert evaluation is not None  # one process: rank 0
+    metrics = evaluation.metrics()["metrics"]
     return {name: values["mean"] for name, values in metrics.items()}
 
 
@@ -101,6 +108,7 @@ def run_rounds(
     evaluate_every: int = 0,
     on_round: Callable[[LoopRound], None] | None = None,
     progress: bool = False,
+    encode_prompts: bool = True,
 ) -> list[LoopRound]:
     """Train ``train.rounds`` rounds from the base policy.
 
@@ -114,10 +122,20 @@ def run_rounds(
     ``result[-1].reward_mean`` (trained policy) compare the same kind of sample.
     ``evaluate_every`` K > 0 evaluates the policy of rounds 0, K, 2K, ... and of the last
     round (its ``LoopRound.evaluation``); ``on_round`` sees each round as it completes.
+    ``encode_prompts``: the training prompts encoded once, before round 0 (False: each
+    rollout encodes its prompts inline, as ``workflow.encode_prompts: false``).
     """
+    from jagg_pipeline.stages.encode import run_encode
     from jagg_pipeline.stages.train import train_round
 
     workdir = Path(workdir)
+    conditioning = None
+    if encode_prompts:
+        conditioning = workdir / "conditioning"
+        sampler = config.sampler
+        run_encode(
+            config, sampler.prompts, conditioning, column=sampler.prompt_column, progress=progress
+        )
     count = config.train.rounds
     policy = "base"
     results = []
@@ -130,7 +148,7 @@ def run_rounds(
         start = time.perf_counter()
         stages: dict[str, float] = {}
         rollouts, scores, reward = _scored_rollout(
-            config, policy, directory, round_index, progress, stages
+            config, policy, directory, round_index, progress, stages, conditioning
         )
         trained = round_index < count
         update: dict[str, float] = {}

@@ -14,20 +14,32 @@ A consumer builds the configured backbone (the base checkpoint, with fresh adapt
 and reads the saved parameters into it in place, so loading never needs a second copy of the
 model. ``policy == "base"`` is the checkpoint that ``config.backbone.path`` names. Hub formats
 (a diffusers folder, a peft adapter) are written by :func:`export_policy`, on demand.
+
+Two loaders: :func:`load_policy`, the whole model in one process (tools, tests, the loop of
+rounds in one process), and :func:`load_sharded_policy`, what the ranks of the stages use:
+the transformer built on the meta device, FSDP2-sharded, and each rank reading only the rows
+of its own shards, from the checkpoint's ``policy/`` or the base checkpoint's safetensors, so
+no rank ever holds the whole transformer. A checkpoint's manifest is checked (stage, backbone
+section) and only the files a rank reads are verified, once per node
+(:mod:`jagg_pipeline.io.verify`): ``policy/``, never the trainer's optimizer state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from jagg_pipeline.backbones import Backbone, load_backbone
+from jagg_pipeline.backbones import Backbone, backbone_class, load_backbone
 from jagg_pipeline.io.artifacts import BASE, policy_weights_dir
-from jagg_pipeline.io.manifest import CHECKED_SECTIONS, check_input
+from jagg_pipeline.io.manifest import CHECKED_SECTIONS, check_made
+from jagg_pipeline.io.verify import verify_sharded
 from jagg_pipeline.support.errors import InputError
+
+if TYPE_CHECKING:
+    from jagg_pipeline.stages.distributed import DistContext
 
 
 class PolicyError(InputError):
@@ -66,20 +78,95 @@ def _load(config: Any, policy: str | Path, device: str | torch.device | None) ->
         spec = dataclasses.replace(spec, device=str(device))
     if str(policy) == BASE:
         return load_backbone(spec)
-    check_checkpoint(config, policy)
+    manifest = check_checkpoint(config, policy)
     backbone = load_backbone(spec)
-    apply_policy(backbone, policy_weights_dir(policy))
+    # This process alone reads every chunk of policy/ (others may be doing something else).
+    read_policy(trainable_state(backbone), policy, manifest, collective=False)
     return backbone
 
 
-def check_checkpoint(config: Any, checkpoint: str | Path) -> None:
-    """Refuse ``checkpoint`` unless it is a finished ``train`` output of this backbone section."""
+def load_sharded_policy(
+    config: Any,
+    policy: str | Path,
+    ctx: DistContext,
+    *,
+    for_training: bool = False,
+    frozen: bool = False,
+    text_encoders: bool = True,
+) -> Backbone:
+    """The backbone of ``config.backbone`` on ``ctx.device``, its transformer FSDP2-sharded.
+
+    A collective: every rank of ``ctx`` calls it. The transformer is built on the meta
+    device (LoRA adapters injected as :func:`load_policy` injects them), sharded as training
+    shards it (:func:`~jagg_pipeline.stages.distributed.shard_backbone`, with the
+    ``backbone.mixed_precision`` policy, so sampling under bf16 computes as training does),
+    and only this rank's shards are allocated; each rank then reads only its rows: a
+    checkpoint's trainable weights (LoRA adapters, or every trainable weight) from its
+    ``policy/`` chunks, every other weight from the base checkpoint's safetensors. The
+    weights are bit for bit those of :func:`load_policy` sharded. A checkpoint is checked
+    as :func:`check_checkpoint` checks it, and the ``policy/`` files this rank reads are
+    verified once per node. The VAE and the text encoders load whole, as in
+    :func:`load_policy` (``for_training`` or ``text_encoders=False`` skip the text encoders,
+    as do ``backbone.load_text_encoders: false`` and a family without them: a stage that
+    reads precomputed conditioning needs none, and the checkpoint is still checked against
+    its own config). ``frozen``: the transformer's parameters take no gradient (the KL
+    reference).
+    """
+    from jagg_pipeline.stages import distributed
+
+    spec = dataclasses.replace(config.backbone, device=str(ctx.device))
+    if for_training or not text_encoders:
+        spec = dataclasses.replace(spec, load_text_encoders=False)
+    checkpoint = None if str(policy) == BASE else Path(policy)
+    manifest = None if checkpoint is None else check_checkpoint(config, checkpoint)
+    backbone = backbone_class(spec.family).load(spec, empty=True)
+    transformer = backbone.transformer
+    trainable = [name for name, p in transformer.named_parameters() if p.requires_grad]
+    if frozen:
+        transformer.requires_grad_(False)
+    distributed.shard_backbone(backbone, ctx, mixed_precision=spec.mixed_precision == "bf16")
+    empty = distributed.materialize(transformer, ctx.device)
+    params = dict(transformer.named_parameters())
+    saved = set() if checkpoint is None else set(trainable)  # never read from the base
+    with torch.no_grad():
+        backbone.read_base_rows(
+            {name: distributed.local_rows(params[name]) for name in sorted(empty - saved)}
+        )
+    if checkpoint is not None:
+        state = {name: params[name].detach() for name in trainable}
+        read_policy(state, checkpoint, manifest, collective=True)
+    return backbone
+
+
+def read_policy(
+    state: dict[str, torch.Tensor],
+    checkpoint: str | Path,
+    manifest: dict[str, Any],
+    *,
+    collective: bool,
+) -> None:
+    """Fill ``state`` in place from a checkpoint's ``policy/``, verifying what it reads first.
+
+    Only the ``policy/`` files that loading ``state`` reads are hashed (its ``.metadata``, then
+    the chunk files of ``state``'s tensors); ``collective``: every rank reads its own shards,
+    and each file is hashed once per node (:func:`~jagg_pipeline.io.verify.verify_reads`).
+    """
+    folder = policy_weights_dir(checkpoint)
+    verify_sharded([(state, folder)], checkpoint, manifest, collective=collective)
+    load_weights(state, folder, collective=collective)
+
+
+def check_checkpoint(config: Any, checkpoint: str | Path) -> dict[str, Any]:
+    """Refuse ``checkpoint`` unless it is a finished ``train`` output of this backbone section.
+
+    Returns its manifest. Nothing is hashed here: a consumer verifies the files it reads.
+    """
     if not Path(checkpoint).is_dir():
         raise PolicyError(
             f"policy {str(checkpoint)!r}: neither {BASE!r} nor a checkpoint directory (no such "
             "directory)"
         )
-    check_input(checkpoint, stage="train", config=config, sections=CHECKED_SECTIONS["train"])
+    return check_made(checkpoint, stage="train", config=config, sections=CHECKED_SECTIONS["train"])
 
 
 def trainable_state(backbone: Backbone) -> dict[str, torch.Tensor]:

@@ -10,8 +10,10 @@ shares:
 - :func:`generate`: one micro-batch, each sample with its own generator for the initial noise
   and the SDE noise, so a sample depends on its seed only, not on its batch or rank (the
   round's prompts are encoded once, so padded text is alike in every micro-batch);
-- ranks (``torchrun``): micro-batch ``m`` goes to rank ``m % world_size``; each rank writes
-  ``shard-<rank>`` with the samples' global ``sample_ids``, and
+- ranks (``torchrun``, the training ranks): the policy is FSDP2-sharded over them, so no rank
+  holds it whole; micro-batch ``m`` goes to rank ``m % world_size`` (a rank dealt one fewer
+  samples a discarded copy, so that every rank makes as many forward collectives); each rank
+  writes ``shard-<rank>`` with the samples' global ``sample_ids``, and
   :func:`~jagg_pipeline.io.trajectories.load_rollout` puts them back in order, so any number of
   ranks gives the one-rank rollout bit for bit;
 - stage outputs: :func:`begin_output` drops a stale manifest (an output without one is
@@ -24,6 +26,7 @@ The ``score`` and ``evaluate`` stages reuse these pieces.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -238,38 +241,53 @@ def sample_batches(
     *,
     desc: str,
     progress: bool = True,
-) -> TrajectoryBatch:
+    pad_to: int = 0,
+) -> TrajectoryBatch | None:
     """:func:`generate` over ``batches`` (sample-index ranges of ``plan``), in their order.
 
     All of the plan's prompts are encoded in one call, whatever the batches: text of
     variable length (QwenImage) is then padded alike in every micro-batch and on every rank,
     so shards concatenate and a sample's conditioning does not depend on its batch.
+
+    ``pad_to``: sample copies of a micro-batch, then drop them, until ``pad_to`` batches ran.
+    Under FSDP2 every forward is a collective (each unit's all-gather), so every rank must
+    make as many as the others; a rank dealt one batch fewer pads. None when ``batches`` is
+    empty (a rank that only pads).
     """
     from tqdm.auto import tqdm
 
     encoded = backbone.encode_prompts(plan.prompts)
     sigmas = backbone.sigmas(plan.num_steps)
     prompt_ids = plan.prompt_ids
+    padding = [plan.micro_batches[0]] * max(0, pad_to - len(batches))
     parts = []
+    work = [*batches, *padding]
     # disable=None: tqdm shows the bar only when stderr is a terminal.
-    for samples in tqdm(batches, desc=desc, unit="batch", disable=None if progress else True):
+    for number, samples in enumerate(
+        tqdm(work, desc=desc, unit="batch", disable=None if progress else True)
+    ):
         index = torch.tensor(samples, dtype=torch.int64)
-        parts.append(
-            generate(
-                backbone,
-                plan.prompts,
-                encoded,
-                prompt_ids[index],
-                plan.seeds[index],
-                sigmas,
-                plan.masks,
-                plan.coeffs,
-                index,
-                plan.velocity_steps,
-                plan.velocity_dtype,
-            )
+        part = generate(
+            backbone,
+            plan.prompts,
+            encoded,
+            prompt_ids[index],
+            plan.seeds[index],
+            sigmas,
+            plan.masks,
+            plan.coeffs,
+            index,
+            plan.velocity_steps,
+            plan.velocity_dtype,
         )
-    return concatenate(parts)
+        if number < len(batches):
+            parts.append(part)
+    return concatenate(parts) if parts else None
+
+
+def batches_per_rank(plan: RolloutPlan, world_size: int) -> int:
+    """The most micro-batches any rank is dealt: what every rank runs (padding the rest)."""
+    return math.ceil(len(plan.micro_batches) / world_size)
 
 
 def sample_rollout(
@@ -279,21 +297,27 @@ def sample_rollout(
     world_size: int = 1,
     progress: bool = True,
 ) -> TrajectoryBatch:
-    """Sample ``rank``'s share of ``plan`` with ``backbone`` (the whole plan on one rank)."""
+    """Sample ``rank``'s share of ``plan`` with ``backbone`` (the whole plan on one rank).
+
+    Every rank makes the same number of forward calls (:func:`sample_batches`' padding).
+    """
     share = plan.share(rank, world_size)
     if not share:
         raise InputError(
             f"rank {rank} of {world_size} has no work: the rollout has only "
-            f"{len(plan.micro_batches)} micro-batches; use fewer processes or a smaller "
-            "sampler.batch_size"
+            f"{len(plan.micro_batches)} micro-batches; use fewer processes (train.nproc, "
+            "train.nodes) or a smaller sampler.batch_size"
         )
-    return sample_batches(
+    shard = sample_batches(
         backbone,
         plan,
         share,
         desc="rollout" if world_size == 1 else f"rollout rank {rank}",
         progress=progress,
+        pad_to=batches_per_rank(plan, world_size),
     )
+    assert shard is not None  # the share is not empty
+    return shard
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,23 +334,32 @@ def run_rollout(
     round_index: int = 0,
     column: str | None = None,
     progress: bool = True,
+    conditioning: str | Path | None = None,
 ) -> Path:
     """The rollout stage: ``out/shard-<rank>.*``, ``out/config.yaml``, ``out/manifest.json``.
 
     ``policy``: ``base`` or a checkpoint directory
     (:func:`jagg_pipeline.stages.policy.load_policy`);
-    ``prompts``: a prompt file or ``toy:train`` / ``toy:heldout``. Under torchrun every rank
-    runs this; rank 0 clears the directory first and writes the manifest after all shards.
+    ``prompts``: a prompt file or ``toy:train`` / ``toy:heldout``; ``conditioning``: the
+    encode stage's folder of that pool (no text encoder is loaded; None: prompts encoded
+    inline). Under torchrun every rank runs this; rank 0 clears the directory first and
+    writes the manifest after all shards.
     """
     clock = StageClock.start()
-    from jagg_pipeline.stages.distributed import barrier, distributed
-    from jagg_pipeline.stages.policy import load_policy
+    from jagg_pipeline.io.manifest import recorded_digests
+    from jagg_pipeline.stages.distributed import all_gather_object, barrier, distributed
+    from jagg_pipeline.stages.encode import conditioning_inputs, open_pool
+    from jagg_pipeline.stages.policy import load_sharded_policy
 
     out = Path(out)
     plan = plan_rollout(config, resolve_prompts(prompts, column), round_index)
+    source = open_pool(config, conditioning)
     with distributed(config.backbone.device) as ctx:
         rank, world_size = ctx.rank, ctx.world_size
-        backbone = load_policy(config, policy, ctx.device)
+        # FSDP2-sharded over every rank (no rank holds the whole policy); each samples its
+        # share of the micro-batches.
+        backbone = load_sharded_policy(config, policy, ctx, text_encoders=source is None)
+        backbone.use_precomputed(source)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             begin_output(out, (*SHARD_FILES, METRICS_NAME))
@@ -336,7 +369,13 @@ def run_rollout(
         shard = sample_rollout(backbone, plan, rank, world_size, progress and rank == 0)
         clock.lap("work")
         shard.save(out, rank)
-        barrier()
+        # The digests each rank recorded while writing its shard, for rank 0's manifest (a
+        # collective: also the barrier before it), so no shard is read back to be hashed.
+        recorded = {
+            name: digest
+            for digests in all_gather_object(recorded_digests(out))
+            for name, digest in digests.items()
+        }
         if rank == 0:
             seconds = time.perf_counter() - start
             # What storing the velocities for on-policy reuse costs on disk.
@@ -349,7 +388,8 @@ def run_rollout(
                 config,
                 stage=STAGE,
                 seeds={"train": config.train.seed, "round": round_index},
-                inputs=stage_inputs(prompts, policy),
+                inputs=stage_inputs(prompts, policy) | conditioning_inputs(conditioning),
+                recorded=recorded,
                 extra={
                     "policy": str(policy),
                     "prompts": str(prompts),

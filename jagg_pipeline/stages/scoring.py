@@ -6,7 +6,9 @@ Owns the score folder that the training stage reads: ``scores.parquet``, one row
 ``group_mean`` and ``group_std`` (of the total in the sample's group); ``summary.json`` (reward
 means, zero-std groups); ``metrics.jsonl`` (the summary's scalars as one flat line);
 ``config.yaml`` and ``manifest.json`` (stage ``score``, input ``rollouts``), written last.
-Rewards score the rollout's stored uint8 images; the advantage follows the ``advantage``
+Rewards score the rollout's stored uint8 images, read ``chunk`` samples at a time and nothing
+else of the rollout (no latents, velocities or conditioning): the stage holds one chunk of
+images and the scores, whatever the rollout's size. The advantage follows the ``advantage``
 section (std mode, eps, clip) and ``rewards.normalize_separately``. The stage reads the
 ``rewards`` and ``advantage`` sections (:data:`~jagg_pipeline.io.manifest.STAGE_SECTIONS`): the
 train stage checks exactly these against its own config.
@@ -15,7 +17,7 @@ Scoring a folder of images (``score-images``) lives in :mod:`jagg_pipeline.stage
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from jagg_pipeline.core.grpo import group_advantages
 from jagg_pipeline.io.artifacts import METRICS_NAME, append_metrics, atomic_write_json
 from jagg_pipeline.io.manifest import CHECKED_SECTIONS, begin_output, check_input, finish_output
 from jagg_pipeline.io.tables import write_table
-from jagg_pipeline.io.trajectories import TrajectoryBatch, load_rollout
+from jagg_pipeline.io.trajectories import RolloutReader
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
 from jagg_pipeline.support.startup import StageClock
 
@@ -50,36 +52,50 @@ def table_path(folder: str | Path) -> Path:
     return Path(folder) / TABLE_NAME
 
 
-def reward_columns(
-    rewards: Mapping[str, RewardFn], images: torch.Tensor, prompts: Sequence[str], chunk: int
+def _chunk_columns(
+    rewards: Mapping[str, RewardFn], chunks: Iterable[tuple[torch.Tensor, Sequence[str]]]
 ) -> dict[str, torch.Tensor]:
-    """Each reward's scores of uint8 ``images`` [B, 3, H, W], converted ``chunk`` at a time.
+    """Each reward's scores of ``(uint8 images [b, 3, H, W], prompts)`` chunks, concatenated.
 
-    Only a chunk is held as float at once (real images are large); scores come back on the CPU.
+    Only one chunk is held (and as float) at once: real images are large. Scores come back on
+    the CPU.
     """
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in rewards}
-    for start in range(0, images.shape[0], chunk):
-        floats = to_unit_float(images[start : start + chunk])
+    for images, prompts in chunks:
+        floats = to_unit_float(images)
         for name, reward in rewards.items():
-            parts[name].append(reward(floats, prompts[start : start + chunk]).cpu())
+            parts[name].append(reward(floats, prompts).cpu())
     return {name: torch.cat(values) for name, values in parts.items()}
 
 
+def reward_columns(
+    rewards: Mapping[str, RewardFn], images: torch.Tensor, prompts: Sequence[str], chunk: int
+) -> dict[str, torch.Tensor]:
+    """Each reward's scores of uint8 ``images`` [B, 3, H, W] in memory, ``chunk`` at a time."""
+    starts = range(0, images.shape[0], chunk)
+    return _chunk_columns(
+        rewards, ((images[i : i + chunk], prompts[i : i + chunk]) for i in starts)
+    )
+
+
 def score_rollout(
-    batch: TrajectoryBatch, reward: MultiReward, advantage: Any, chunk: int = 32
+    rollout: RolloutReader, reward: MultiReward, advantage: Any, chunk: int = 32
 ) -> Scores:
-    """Score ``batch.images`` against their prompts, ``chunk`` images at a time.
+    """Score the rollout's images against their prompts, reading ``chunk`` images at a time.
 
     ``advantage`` is the config section whose std mode, eps and clip give the group statistics.
     """
-    if batch.images is None:
-        raise ValueError("the rollout holds no images to score")
-    prompts = [batch.prompts[i] for i in batch.prompt_ids.tolist()]
-    columns = reward_columns(reward.rewards, batch.images, prompts, chunk)
-    result = reward.combine(columns, batch.group_ids)
+    prompts = [rollout.prompts[i] for i in rollout.prompt_ids.tolist()]
+    size = len(rollout)
+    chunks = (
+        (rollout.images(range(i, min(i + chunk, size))), prompts[i : i + chunk])
+        for i in range(0, size, chunk)
+    )
+    columns = _chunk_columns(reward.rewards, chunks)
+    result = reward.combine(columns, rollout.group_ids)
     stats = group_advantages(
         result.total,
-        batch.group_ids,
+        rollout.group_ids,
         std_mode=advantage.std_mode,
         eps=advantage.eps,
         clip=advantage.clip,
@@ -87,19 +103,19 @@ def score_rollout(
     rows = [
         {
             "sample": i,
-            "prompt_id": int(batch.prompt_ids[i]),
-            "group": int(batch.group_ids[i]),
+            "prompt_id": int(rollout.prompt_ids[i]),
+            "group": int(rollout.group_ids[i]),
             **{name: float(values[i]) for name, values in result.columns.items()},
             "total": float(result.total[i]),
             "advantage": float(result.advantages[i]),
             "group_mean": float(stats.group_mean[i]),
             "group_std": float(stats.group_std[i]),
         }
-        for i in range(len(batch))
+        for i in range(size)
     ]
     summary = {
-        "samples": len(batch),
-        "groups": len(torch.unique(batch.group_ids)),
+        "samples": size,
+        "groups": len(torch.unique(rollout.group_ids)),
         "zero_std_groups": stats.zero_std_groups,
         "weights": dict(reward.weights),
         "reward_means": {name: float(v.mean()) for name, v in result.columns.items()},
@@ -138,7 +154,7 @@ def run_score(
     made = check_input(
         rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
     )
-    batch = load_rollout(rollouts)
+    rollout = RolloutReader(rollouts)
     if device is None:
         device = config.rewards.resolve_device(config.backbone.device)
     reward = MultiReward.from_spec(
@@ -149,7 +165,7 @@ def run_score(
         clip=config.advantage.clip,
     )
     clock.lap("load")
-    scores = score_rollout(batch, reward, config.advantage, chunk)
+    scores = score_rollout(rollout, reward, config.advantage, chunk)
     clock.lap("work")
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, [METRICS_NAME])

@@ -50,10 +50,11 @@ from jagg_pipeline.io.manifest import (
     CHECKED_SECTIONS,
     ManifestError,
     check_derived_from,
-    check_input,
+    check_made,
 )
 from jagg_pipeline.io.tables import read_table
 from jagg_pipeline.io.trajectories import RolloutReader
+from jagg_pipeline.io.verify import Reads, verify_reads, verify_sharded
 from jagg_pipeline.stages import checkpoint as ckpt
 from jagg_pipeline.stages import distributed
 from jagg_pipeline.stages.optim import Ema, build_optimizer
@@ -140,14 +141,33 @@ def _rollout_micro_batches(rollouts: Path, made: dict[str, Any], size: int) -> l
 def load_round_data(
     config: Any, policy: str | Path, rollouts: str | Path, scores: str | Path
 ) -> RoundData:
-    """Read and cross-check a round's inputs; errors name the file that does not fit."""
+    """Read and cross-check a round's inputs; errors name the file that does not fit.
+
+    What this rank reads is verified first, each file once per node under a process group
+    (:func:`~jagg_pipeline.io.verify.verify_reads`, a collective): the rollout's shard files
+    (every rank reads each shard's per-sample columns, and the rows of its own samples), the
+    score table and, from a checkpoint ``policy``, its trainer state and generator. The
+    manifests are checked without hashing anything else, and what the inputs were derived
+    from is compared by the digests the manifests record.
+    """
+    from jagg_pipeline.io.artifacts import BASE
+    from jagg_pipeline.stages.policy import check_checkpoint
+    from jagg_pipeline.stages.rollout import SHARD_FILES
+    from jagg_pipeline.stages.scoring import TABLE_NAME
+
     rollouts, scores = Path(rollouts), Path(scores)
-    made = check_input(
+    made = check_made(
         rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
     )
-    scored = check_input(scores, stage="score", config=config, sections=CHECKED_SECTIONS["score"])
+    scored = check_made(scores, stage="score", config=config, sections=CHECKED_SECTIONS["score"])
     check_derived_from(scores, scored, "rollouts", rollouts)
     _check_policy_source(rollouts, made, policy)
+    shard_files = tuple(sorted(p.name for pattern in SHARD_FILES for p in rollouts.glob(pattern)))
+    reads = [Reads(rollouts, made, shard_files), Reads(scores, scored, (TABLE_NAME,))]
+    if str(policy) != BASE:
+        trainer = (f"{ckpt.TRAINER_DIR}/{ckpt.STATE_FILE}", f"{ckpt.TRAINER_DIR}/{ckpt.RNG_FILE}")
+        reads.append(Reads(Path(policy), check_checkpoint(config, policy), trainer))
+    verify_reads(reads)
     batch = RolloutReader(rollouts)
     names = list(config.rewards.weights)
     rows = _table_rows(table_path(scores), batch, names)
@@ -369,7 +389,7 @@ class _Trainer:
         previous: ckpt.TrainerState | None,
     ) -> None:
         from jagg_pipeline.io.artifacts import BASE
-        from jagg_pipeline.stages.policy import load_policy
+        from jagg_pipeline.stages.policy import load_sharded_policy
 
         self.config, self.ctx = config, ctx
         self.engine = config.jagg.engine_options()
@@ -384,18 +404,14 @@ class _Trainer:
         # rollout's policy) until an optimizer step is applied: the on-policy state.
         self.on_policy = True
         self.clock = ForwardClock(ctx.device)
-        mixed = config.backbone.mixed_precision == "bf16"
 
-        # Every rank loads the base model, shards it, then reads only its own shards of the
-        # previous round's weights, optimizer state and EMA.
-        self.backbone = load_policy(config, BASE, ctx.device, for_training=True)
-        distributed.shard_backbone(self.backbone, ctx, mixed_precision=mixed)
+        # The policy built sharded: each rank reads only its own rows of the weights (the
+        # checkpoint's, the base's for the rest), then of the optimizer state and EMA.
+        self.backbone = load_sharded_policy(config, policy, ctx, for_training=True)
         self.velocity = self.clock.wrap(self.backbone.velocity)
         self.reference = None
         if config.grpo.kl_beta > 0:
-            frozen = load_policy(config, BASE, ctx.device, for_training=True)
-            frozen.transformer.requires_grad_(False)
-            distributed.shard_backbone(frozen, ctx, mixed_precision=mixed)
+            frozen = load_sharded_policy(config, BASE, ctx, for_training=True, frozen=True)
             self.reference = self.clock.wrap(frozen.velocity)
         transformer = self.backbone.transformer
         self.named = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
@@ -407,27 +423,31 @@ class _Trainer:
             self._resume(policy, previous)
 
     def _resume(self, checkpoint: str | Path, previous: ckpt.TrainerState) -> None:
-        """Continue from ``checkpoint``: this rank's shards of its weights, optimizer, EMA."""
-        from jagg_pipeline.io.artifacts import policy_weights_dir
+        """Continue from ``checkpoint``: this rank's shards of its optimizer state and EMA.
+
+        Its weights are in place already (:func:`~jagg_pipeline.stages.policy.load_sharded_policy`).
+        The optimizer and EMA files this rank reads are verified first, once per node.
+        """
         from jagg_pipeline.stages.policy import check_checkpoint, load_weights
 
-        check_checkpoint(self.config, checkpoint)
+        manifest = check_checkpoint(self.config, checkpoint)
         transformer = self.backbone.transformer
-        weights = distributed.model_state_dict(transformer)
-        load_weights(weights, policy_weights_dir(checkpoint), collective=True)
-        distributed.load_model_state_dict(transformer, weights)
         optimizer = distributed.optimizer_state_dict(transformer, self.optimizer)
-        shards.load(optimizer, ckpt.optimizer_dir(checkpoint))
-        distributed.load_optimizer_state_dict(transformer, self.optimizer, optimizer)
-        self.scheduler.load_state_dict(previous.scheduler)
+        loads = [(optimizer, ckpt.optimizer_dir(checkpoint))]
+        ema = None if self.ema is None else ckpt.ema_dir(checkpoint)
         if self.ema is not None:
-            saved = ckpt.ema_dir(checkpoint)
-            if saved is None:
+            if ema is None:
                 raise TrainInputError(
                     f"{checkpoint}: has no EMA weights, but train.ema_decay is set; start "
                     "from base or keep train.ema_decay as that run had it"
                 )
-            load_weights(self.ema.shadow, saved, collective=True, what="EMA weights")
+            loads.append((self.ema.shadow, ema))
+        verify_sharded(loads, checkpoint, manifest, collective=True)
+        shards.load(optimizer, ckpt.optimizer_dir(checkpoint))
+        distributed.load_optimizer_state_dict(transformer, self.optimizer, optimizer)
+        self.scheduler.load_state_dict(previous.scheduler)
+        if self.ema is not None:
+            load_weights(self.ema.shadow, ema, collective=True, what="EMA weights")
 
     def micro_batch(
         self,
@@ -506,7 +526,7 @@ class _Trainer:
         ]
         lr = self.scheduler.get_last_lr()[0]
         forward_before = self.clock.seconds
-        start = time.perf_counter()
+        self.clock.mark("start")
         stats = jagg.accumulate_gradient(
             self.velocity,
             local,
@@ -516,9 +536,7 @@ class _Trainer:
             lambda on: distributed.set_gradient_sync(self.backbone.transformer, on),
             **self.engine,
         )
-        self.clock.sync()
-        engine_seconds = time.perf_counter() - start
-        forward_seconds = self.clock.seconds - forward_before
+        self.clock.mark("engine")
 
         diagnostics = [part.objective.diagnostics() for part in local]
         (max_ratio_dev,) = distributed.all_reduce_max(
@@ -531,9 +549,12 @@ class _Trainer:
                 sum(d["approx_kl"] * p.size for d, p in zip(diagnostics, local, strict=True)),
             ]
         )
-        start = time.perf_counter()
+        self.clock.mark("reduce")
         grad_norm, applied = self._apply(loss)
-        optimizer_seconds = time.perf_counter() - start
+        self.clock.mark("optimizer")
+        # The step's one device synchronisation: it completes the forward and mark timings.
+        seconds = self.clock.sync()
+        forward_seconds = self.clock.seconds - forward_before
 
         per_window = [
             {
@@ -563,8 +584,8 @@ class _Trainer:
             "windows": per_window,
             "time": {
                 "forward": forward_seconds,
-                "backward": engine_seconds - forward_seconds,
-                "optimizer": optimizer_seconds,
+                "backward": seconds["engine"] - forward_seconds,
+                "optimizer": seconds["optimizer"],
             },
         }
 
@@ -588,7 +609,6 @@ class _Trainer:
             # warns when the first step of a run is one of them.
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
-        self.clock.sync()
         return grad_norm, applied
 
     def contents(
@@ -706,20 +726,21 @@ def train_round(
     clock = StageClock.start()
     from jagg_pipeline.io.artifacts import BASE, policy_weights_dir
 
-    # Load: the round's inputs, checked against each other and the policy.
     out = Path(out)
-    data = load_round_data(config, policy, rollouts, scores)
-    previous = None if str(policy) == BASE else ckpt.read_trainer_state(policy)
-    round_index = 0 if previous is None else previous.round + 1
-    if data.round != round_index:
-        raise TrainInputError(
-            f"{rollouts}: was sampled for round {data.round}, but --policy {policy} trains "
-            f"round {round_index}"
-        )
-    inputs = {"rollouts": Path(rollouts), "scores": Path(scores)}
-    if previous is not None:
-        inputs["policy"] = policy_weights_dir(policy)
     with distributed.distributed(config.backbone.device) as ctx, _deterministic():
+        # Load: the round's inputs, checked against each other and the policy (under the
+        # process group: the ranks of a node share out verifying what they read).
+        data = load_round_data(config, policy, rollouts, scores)
+        previous = None if str(policy) == BASE else ckpt.read_trainer_state(policy)
+        round_index = 0 if previous is None else previous.round + 1
+        if data.round != round_index:
+            raise TrainInputError(
+                f"{rollouts}: was sampled for round {data.round}, but --policy {policy} trains "
+                f"round {round_index}"
+            )
+        inputs = {"rollouts": Path(rollouts), "scores": Path(scores)}
+        if previous is not None:
+            inputs["policy"] = policy_weights_dir(policy)
         if ctx.is_main and ctx.world_size != config.train.world_size:
             print(
                 f"warning: running on {ctx.world_size} processes, train.nodes x train.nproc "

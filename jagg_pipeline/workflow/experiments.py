@@ -10,7 +10,8 @@ owns that resolution, how config data is layered (:func:`merge`: sections merge 
 every other value, a mapping of reward weights included, replaces), the run layout
 (``<results>/<target>/<variant>/seed-<s>/``), which rounds are evaluated and which keep their
 checkpoint and rollout (``workflow.keep_every``), and the digests of the config sections each
-stage reads (the rules' params: an edit reruns exactly the jobs it affects). It also refuses
+stage reads (the rules' params: an edit reruns exactly the jobs it affects) and the names of the
+prompt pools the encode rule encodes once (:func:`pool_key`). It also refuses
 what would run wrong: a name that is no single path component (every name becomes a folder and
 a shell argument), an unusable results folder, seeds or sweep values given twice, a seed set
 where ``seeds`` rules, two variants that are one config; and it checks the files a config names
@@ -60,11 +61,13 @@ RESERVED_FOLDERS: tuple[str, ...] = (
     "logs",
     "benchmarks",
     "mlartifacts",
+    "conditioning",
 )
 WORKFLOW_RULES: tuple[str, ...] = (
     "toyworld_clip",
     "toyworld_pretrain",
     "toyworld_backbone",
+    "encode",
     "rollout",
     "rollout_transient",
     "score",
@@ -197,6 +200,13 @@ class WorkflowConfig:
         "are deleted once the next round no longer needs them (their metrics stay in "
         "round-<r>/metrics/). null: keep every round",
         minimum=1,
+    )
+    encode_prompts: bool = field(
+        True,
+        help="encode each prompt pool once (the encode rule, <results>/conditioning/<pool>/) "
+        "so that rollout and evaluate load no text encoder; false encodes each round's prompts "
+        "inline, for pools too large to store (about N prompts x the bytes of one: Flux's T5 "
+        "512 x 4096 bf16 is 4 MB a prompt)",
     )
 
     def __post_init__(self) -> None:
@@ -696,10 +706,25 @@ def _select(data: Mapping[str, Any], dotted: str) -> Any:
     return data
 
 
+def stage_values(config: RunConfig, stage: str) -> dict[str, Any]:
+    """The sections (or dotted keys) ``stage`` reads (:data:`STAGE_SECTIONS`), as data."""
+    data = to_dict(config)
+    return {key: _select(data, key) for key in STAGE_SECTIONS[stage]}
+
+
 def stage_digest(config: RunConfig, stage: str) -> str:
     """Digest of exactly the sections (or keys) ``stage`` reads (:data:`STAGE_SECTIONS`)."""
-    data = to_dict(config)
-    return digest({key: _select(data, key) for key in STAGE_SECTIONS[stage]})
+    return digest(stage_values(config, stage))
+
+
+def pool_key(config: RunConfig, source: str, column: str | None) -> str:
+    """The short stable name of a prompt pool's conditioning (``<results>/conditioning/<key>``).
+
+    A digest of the prompt source, its column and the backbone keys the text encoders read
+    (``encode``'s :data:`STAGE_SECTIONS`): runs that agree on all of them share one pool.
+    """
+    text = stage_values(config, "encode")
+    return digest({"prompts": source, "column": column, "text": text})[:12]
 
 
 def workflow_schema() -> dict[str, Any]:

@@ -258,11 +258,12 @@ _HEAD_NODE = (
 _RDZV_ENDPOINT = f'"$({_HEAD_NODE}):$((29500 + SLURM_JOB_ID % 10000))"'
 
 
-def train_launcher(wildcards):
-    """How the train command starts: the plain interpreter for one process; torchrun
-    --standalone over train.nproc processes on one node; for train.nodes > 1 (a SLURM job),
-    srun starting one torchrun agent per node (train.nproc processes each), joined by a c10d
-    rendezvous on the job's first node."""
+def ranks_launcher(wildcards):
+    """How a job over the training ranks starts (train, rollout, evaluate: every rank runs
+    the FSDP2-sharded policy): the plain interpreter for one process; torchrun --standalone
+    over train.nproc processes on one node; for train.nodes > 1 (a SLURM job), srun starting
+    one torchrun agent per node (train.nproc processes each), joined by a c10d rendezvous on
+    the job's first node."""
     train = run_of(wildcards).config.train
     python = shlex.quote(PYTHON)
     if train.nodes > 1:
@@ -387,36 +388,17 @@ def reward_device(wildcards):
     return config.rewards.resolve_device(config.backbone.device)
 
 
-def _one_gpu_on(device_of, what):
-    """GPUs of a one-process job whose models run on ``device_of(wildcards)``."""
-
-    def gpus(wildcards):
-        device = device_of(wildcards)
-        return _gpus(
-            run_of(wildcards).run_id, int(_on_cuda(device)), f"{what} {device}"
-        )
-
-    gpus.__name__ = f"{device_of.__name__}_gpus"
-    return gpus
+def score_gpus(wildcards):
+    """One GPU when the reward models run on CUDA (the score job is one process)."""
+    device = reward_device(wildcards)
+    why = f"reward models (rewards.device, else backbone.device) on {device}"
+    return _gpus(run_of(wildcards).run_id, int(_on_cuda(device)), why)
 
 
-rollout_gpus = _one_gpu_on(backbone_device, "backbone.device")
-score_gpus = _one_gpu_on(
-    reward_device, "reward models (rewards.device, else backbone.device) on"
-)
-
-
-def evaluate_gpus(wildcards):
-    """One GPU, shared, when the policy or the reward models run on CUDA."""
-    policy, rewards = backbone_device(wildcards), reward_device(wildcards)
-    count = int(_on_cuda(policy) or _on_cuda(rewards))
-    why = f"backbone.device {policy}, reward models on {rewards}"
-    return _gpus(run_of(wildcards).run_id, count, why)
-
-
-def train_gpus(wildcards):
-    """One GPU per training process (train.nproc) when the policy runs on CUDA; none for a
-    multi-node job, whose GPUs per node are its ``gres`` (:func:`train_slurm`)."""
+def ranks_gpus(wildcards):
+    """One GPU per process of the training ranks (train.nproc) when the policy runs on CUDA:
+    train, rollout and evaluate run the sharded policy on every rank. None for a multi-node
+    job, whose GPUs per node are its ``gres`` (:func:`ranks_slurm`)."""
     config = run_of(wildcards).config
     if config.train.nodes > 1:
         return None
@@ -425,9 +407,17 @@ def train_gpus(wildcards):
     return _gpus(run_of(wildcards).run_id, count, why)
 
 
-def train_threads(wildcards):
-    """One core per training process of a node (train.nproc): a multi-node job asks for
-    them per node, as the cpus of its one task per node."""
+def evaluate_gpus(wildcards):
+    """The ranks' GPUs; one when only the reward models (rank 0 scores) run on CUDA."""
+    count = ranks_gpus(wildcards)
+    if count == 0 and _on_cuda(reward_device(wildcards)):
+        return score_gpus(wildcards)
+    return count
+
+
+def ranks_threads(wildcards):
+    """One core per process of a node (train.nproc): a multi-node job asks for them per
+    node, as the cpus of its one task per node."""
     return run_of(wildcards).config.train.nproc
 
 
@@ -440,11 +430,11 @@ IN_APPTAINER = any(
 )
 
 
-def train_slurm(run):
-    """The SLURM resources of a training job (snakemake-executor-plugin-slurm's names; None
-    leaves a resource out).
+def ranks_slurm(run):
+    """The SLURM resources of a job over the training ranks: train, rollout, evaluate
+    (snakemake-executor-plugin-slurm's names; None leaves a resource out).
 
-    One node: ``nodes`` 1 and nothing else (GPUs: :func:`train_gpus`). Several: ``nodes`` N,
+    One node: ``nodes`` 1 and nothing else (GPUs: :func:`ranks_gpus`). Several: ``nodes`` N,
     ``tasks`` N (sbatch --ntasks, one torchrun agent per node), ``mpi`` (the plugin's job step
     then runs the command as it is, without wrapping it in `srun -n1`: the command's own srun
     starts the agents), ``gres`` gpu:<train.nproc> per node when the policy runs on CUDA, and
@@ -475,19 +465,19 @@ def train_slurm(run):
     )
 
 
-def _train_resource(name):
+def _ranks_resource(name):
     def resource(wildcards):
-        return train_slurm(run_of(wildcards))[name]
+        return ranks_slurm(run_of(wildcards))[name]
 
-    resource.__name__ = f"train_{name}"
+    resource.__name__ = f"ranks_{name}"
     return resource
 
 
-train_nodes = _train_resource("nodes")
-train_tasks = _train_resource("tasks")
-train_mpi = _train_resource("mpi")
-train_gres = _train_resource("gres")
-train_tasks_per_gpu = _train_resource("tasks_per_gpu")
+ranks_nodes = _ranks_resource("nodes")
+ranks_tasks = _ranks_resource("tasks")
+ranks_mpi = _ranks_resource("mpi")
+ranks_gres = _ranks_resource("gres")
+ranks_tasks_per_gpu = _ranks_resource("tasks_per_gpu")
 
 
 def task_cpus(wildcards, threads):
@@ -619,3 +609,125 @@ def bench_gpus(wildcards):
     """One GPU for a CUDA benchmark."""
     device = bench_device()
     return _gpus("bench", int(_on_cuda(device)), f"backbone.device {device}")
+
+
+# Prompt pools encoded once (workflow.encode_prompts): the encode rule writes each pool's
+# conditioning to <results>/conditioning/<pool>/, and the rollout and evaluate jobs read it
+# (--conditioning) instead of loading the text encoders. A pool is a prompt source and column
+# under the backbone keys the text encoders read (experiments.pool_key): every run and round
+# that agree on those share one encode job.
+import json as _json
+from dataclasses import dataclass as _dataclass
+
+from jagg_pipeline.workflow.experiments import pool_key, stage_values
+
+CONDITIONING = f"{RESULTS}/conditioning"
+
+
+@_dataclass(frozen=True)
+class Pool:
+    """A prompt pool to encode: its source, its column and a run config that reads it
+    (every run sharing the pool agrees on what the encode stage reads of it)."""
+
+    source: str
+    column: str | None
+    config: object
+
+
+def _run_pools(run):
+    """Stage -> pool of a run: its rollout's sampler.prompts (a training run) and its
+    evaluation's eval.prompts."""
+    config = run.config
+    sources = {"evaluate": (config.eval.prompts, config.eval.column)}
+    if run.policy is None:
+        sources["rollout"] = (config.sampler.prompts, config.sampler.prompt_column)
+    return {
+        stage: Pool(source, column, config)
+        for stage, (source, column) in sources.items()
+    }
+
+
+# run id -> stage -> pool key, and pool key -> the pool (its first run's config).
+RUN_POOLS = {}
+POOLS = {}
+if WORKFLOW.encode_prompts:
+    for _run in RUNS.values():
+        RUN_POOLS[_run.run_id] = {}
+        for _stage, _pool in _run_pools(_run).items():
+            _key = pool_key(_pool.config, _pool.source, _pool.column)
+            RUN_POOLS[_run.run_id][_stage] = _key
+            POOLS.setdefault(_key, _pool)
+
+
+def _conditioning(stage, arguments):
+    def helper(wildcards):
+        key = RUN_POOLS.get(run_of(wildcards).run_id, {}).get(stage)
+        if key is None:
+            return []
+        folder = f"{CONDITIONING}/{key}"
+        return ["--conditioning", folder] if arguments else [folder]
+
+    helper.__name__ = f"{stage}_conditioning{'_arguments' if arguments else ''}"
+    return helper
+
+
+# The pool folder a rollout or evaluate job reads (an input; none under
+# workflow.encode_prompts: false) and its --conditioning argument (a list, quoted by :q).
+rollout_conditioning = _conditioning("rollout", False)
+rollout_conditioning_arguments = _conditioning("rollout", True)
+evaluate_conditioning = _conditioning("evaluate", False)
+evaluate_conditioning_arguments = _conditioning("evaluate", True)
+
+
+def pool_of(wildcards):
+    """The pool an encode job encodes."""
+    return POOLS[wildcards.pool]
+
+
+def encode_inputs(wildcards):
+    """The pool's prompt file (a toy split is none) and the toy backbone it is encoded by."""
+    pool = pool_of(wildcards)
+    inputs = {}
+    if not pool.source.startswith("toy:"):
+        inputs["prompts"] = pool.source
+    toy = _toyworld_inputs(pool.config)
+    if "toy_backbone" in toy:
+        inputs["toy_backbone"] = toy["toy_backbone"]
+    return inputs
+
+
+def encode_settings(wildcards):
+    """``--set KEY=VALUE`` for every key the encode stage reads (values as JSON, which YAML
+    reads back as they were: a negative prompt "yes" stays text) and the backbone device
+    (of the pool's first run)."""
+    config = pool_of(wildcards).config
+    device = {"backbone.device": config.backbone.device}
+    values = {**stage_values(config, "encode"), **device}
+    return [
+        argument
+        for key, value in values.items()
+        for argument in ("--set", f"{key}={_json.dumps(value)}")
+    ]
+
+
+def encode_source(wildcards):
+    """The --prompts argument of an encode job (a prompt file or a toy split)."""
+    return pool_of(wildcards).source
+
+
+def encode_column(wildcards):
+    """The --column argument of an encode job, as a list (none: the file's own)."""
+    column = pool_of(wildcards).column
+    return [] if column is None else ["--column", column]
+
+
+def encode_digest(wildcards):
+    """The digest of what the encode stage reads (the rule's params: an edit reruns it)."""
+    return stage_digest(pool_of(wildcards).config, "encode")
+
+
+def encode_gpus(wildcards):
+    """One GPU when the text encoders run on CUDA (backbone.device)."""
+    device = pool_of(wildcards).config.backbone.device
+    why = f"backbone.device {device}"
+    return _gpus(f"encode {wildcards.pool}", int(_on_cuda(device)), why)

@@ -4,6 +4,7 @@
 rule evaluate:
     input:
         unpack(evaluate_inputs),
+        conditioning=evaluate_conditioning,
     output:
         metrics=directory(f"{RUN}/eval/{EVALUATION_PREFIX}{{trained}}"),
     log:
@@ -14,19 +15,28 @@ rule evaluate:
         "../../envs/pipeline.yaml"
     container:
         CONTAINERS.pipeline
-    threads: 1
+    # Every process of the training ranks samples its share; rank 0 scores the images.
+    threads: ranks_threads
     resources:
         mem_mb=8000,
         runtime=60,
         gpu=evaluate_gpus,
         cpus_per_task=task_cpus,
+        # train.nodes > 1: one task per node and the GPUs per node (see ranks_slurm).
+        nodes=ranks_nodes,
+        tasks=ranks_tasks,
+        mpi=ranks_mpi,
+        gres=ranks_gres,
+        tasks_per_gpu=ranks_tasks_per_gpu,
     params:
-        python=PYTHON,
         config=run_config_file,
         policy=evaluate_policy,
         device=backbone_device,
+        launcher=ranks_launcher,
         digest=evaluate_digest,
+        conditioning=evaluate_conditioning_arguments,
     shell:
-        "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline evaluate"
+        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline evaluate"
         " --config {params.config:q} --set backbone.device={params.device:q}"
-        " --policy {params.policy:q} --out {output.metrics:q} > {log:q} 2>&1"
+        " --policy {params.policy:q} {params.conditioning:q}"
+        " --out {output.metrics:q} > {log:q} 2>&1"

@@ -5,6 +5,7 @@
 rule rollout:
     input:
         unpack(rollout_inputs),
+        conditioning=rollout_conditioning,
     output:
         rollout=directory(f"{RUN_ROUND}/rollout"),
         metrics=round_record("rollout"),
@@ -18,23 +19,32 @@ rule rollout:
         "../../envs/pipeline.yaml"
     container:
         CONTAINERS.pipeline
-    threads: 1
+    # Every process of the training ranks samples its share with the sharded policy (one
+    # core and OpenMP thread each).
+    threads: ranks_threads
     resources:
         mem_mb=8000,
         runtime=60,
-        gpu=rollout_gpus,
+        gpu=ranks_gpus,
         cpus_per_task=task_cpus,
+        # train.nodes > 1: one task per node and the GPUs per node (see ranks_slurm).
+        nodes=ranks_nodes,
+        tasks=ranks_tasks,
+        mpi=ranks_mpi,
+        gres=ranks_gres,
+        tasks_per_gpu=ranks_tasks_per_gpu,
     params:
-        python=PYTHON,
         config=run_config_file,
         policy=rollout_policy,
         device=backbone_device,
+        launcher=ranks_launcher,
         digest=rollout_digest,
+        conditioning=rollout_conditioning_arguments,
     shell:
-        "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline rollout"
+        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline rollout"
         " --config {params.config:q} --set backbone.device={params.device:q}"
         " --policy {params.policy:q} --round {wildcards.round:q}"
-        " --out {output.rollout:q} > {log:q} 2>&1"
+        " {params.conditioning:q} --out {output.rollout:q} > {log:q} 2>&1"
         " && cp {output.rollout:q}/metrics.jsonl {output.metrics:q} 2>> {log:q}"
 
 

@@ -18,23 +18,23 @@ rule train:
         CONTAINERS.pipeline
     # One core per process (torchrun starts train.nproc of them on each node), each on one
     # OpenMP thread.
-    threads: train_threads
+    threads: ranks_threads
     resources:
         mem_mb=16000,
         runtime=120,
-        gpu=train_gpus,
+        gpu=ranks_gpus,
         cpus_per_task=task_cpus,
-        # train.nodes > 1: one task per node and the GPUs per node (see train_slurm).
-        nodes=train_nodes,
-        tasks=train_tasks,
-        mpi=train_mpi,
-        gres=train_gres,
-        tasks_per_gpu=train_tasks_per_gpu,
+        # train.nodes > 1: one task per node and the GPUs per node (see ranks_slurm).
+        nodes=ranks_nodes,
+        tasks=ranks_tasks,
+        mpi=ranks_mpi,
+        gres=ranks_gres,
+        tasks_per_gpu=ranks_tasks_per_gpu,
     params:
         config=run_config_file,
         policy=rollout_policy,
         device=backbone_device,
-        launcher=train_launcher,
+        launcher=ranks_launcher,
         digest=train_digest,
     shell:
         "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
