@@ -140,8 +140,9 @@ def test_reduced_all_on_slurm_equals_the_local_run(slurm_env, reduced_all, tmp_p
 def test_a_failing_job_is_reported_and_snakemake_exits_non_zero(slurm_env, reduced_all, tmp_path):
     workdir = copy_run(reduced_all, tmp_path / "run")
     shutil.rmtree(workdir / "results/all")
-    # A real fault: the toy backbone's weights cut in half, so every rollout fails to load them.
-    weights = next((workdir / "results/toyworld/sd3").rglob("*.safetensors"))
+    # A real fault: the toy transformer's weights cut in half, so every rollout fails to load
+    # them (the encode job reads only the text encoders, which stay whole).
+    weights = next((workdir / "results/toyworld/sd3/transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     started = time.monotonic()
     result = on_slurm(workdir, slurm_env, "all", kill_after=300)
