@@ -25,9 +25,21 @@ onstart:
 
 include: "workflow/rules/toyworld.smk"
 include: "workflow/rules/encode.smk"
-include: "workflow/rules/rollout.smk"
-include: "workflow/rules/score.smk"
-include: "workflow/rules/train.smk"
+
+
+# A run's rounds: each as its rollout, score and train jobs, or in blocks of
+# workflow.rounds_per_job rounds, one job each.
+if WORKFLOW.rounds_per_job == 1:
+
+    include: "workflow/rules/rollout.smk"
+    include: "workflow/rules/score.smk"
+    include: "workflow/rules/train.smk"
+
+else:
+
+    include: "workflow/rules/block.smk"
+
+
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/track.smk"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from jagg_pipeline import __version__
 from jagg_pipeline.cli import (
     bench,
+    block,
     compare,
     config,
     encode,
@@ -40,6 +41,7 @@ COMMANDS = (
     rollout,
     score,
     train,
+    block,
     evaluate,
     export,
     summarize,

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -554,4 +554,16 @@ def keep_round_record(
     Atomically; the workflow's rollout, score and train rules copy it the same way.
     """
     text = (Path(stage_folder) / METRICS_NAME).read_text(encoding="utf-8")
+    return atomic_write_text(round_record(round_folder, stage), text)
+
+
+def write_round_record(
+    round_folder: str | os.PathLike[str], stage: str, records: Iterable[Mapping[str, Any]]
+) -> Path:
+    """Write a round's metric lines of ``stage`` (:func:`metrics_record` dicts), atomically.
+
+    What :func:`keep_round_record` copies from a stage folder, for a stage whose folder a
+    block of rounds keeps in memory.
+    """
+    text = "".join(json.dumps(record) + "\n" for record in records)
     return atomic_write_text(round_record(round_folder, stage), text)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,15 +182,17 @@ def _write_main_files(
     atomic_write_text(trainer / STATE_FILE, json.dumps(state, indent=2) + "\n")
     rng = {"trainer": contents.rng_state.cpu().contiguous()}
     atomic_write_safetensors(trainer / RNG_FILE, rng)
-    records = (
-        metrics_record(STAGE, row["round"], row["step"], _step_values(row))
-        for row in contents.metrics
-    )
+    records = metrics_records(contents.metrics)
     atomic_write_text(staging / METRICS_NAME, "".join(json.dumps(r) + "\n" for r in records))
     # config.yaml, then the manifest: the last file, the mark of a finished checkpoint.
     finish_output(
         staging, config, stage=STAGE, seeds=seeds, inputs=inputs, extra=extra, recorded=recorded
     )
+
+
+def metrics_records(metrics: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A round's metric lines (``CKPT/metrics.jsonl``): one flat record per optimizer step."""
+    return [metrics_record(STAGE, row["round"], row["step"], _step_values(row)) for row in metrics]
 
 
 def _step_values(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -134,6 +134,7 @@ def evaluate(
     plan: RolloutPlan | None = None,
     rank: int = 0,
     world_size: int = 1,
+    metrics: Mapping[str, Any] | None = None,
 ) -> Evaluation | None:
     """Sample the evaluation images with ``backbone`` and score them with every metric.
 
@@ -142,6 +143,7 @@ def evaluate(
     when made already (None: made here). Under a process group of ``world_size`` ranks, every
     rank samples its share with the (sharded) ``backbone`` and rank 0 scores every image (as
     one process would, bit for bit) and returns the evaluation; the other ranks return None.
+    ``metrics``: rank 0's :func:`metric_models`, loaded already (None: loaded here).
     """
     clock = clock or StageClock()
     plan = plan or plan_evaluation(config)
@@ -150,16 +152,25 @@ def evaluate(
     if sampled is None:
         return None
     _, seeds, images = sampled
-    # The backbone's device is this rank's (cuda:LOCAL_RANK), not the config's bare "cuda".
-    device = config.rewards.resolve_device(str(backbone.device))
-    metrics = {
-        name: load_reward(name, config.rewards.spec(name), device) for name in config.eval.metrics
-    }
+    if metrics is None:
+        metrics = metric_models(config, backbone.device)
     clock.lap("load")
     prompts = [plan.prompts[i] for i in plan.prompt_ids.tolist()]
     scores = reward_columns(metrics, images, prompts, config.sampler.batch_size)
     clock.lap("work")
     return Evaluation(plan.prompts, plan.group_size, seeds, images, scores)
+
+
+def metric_models(config: Any, device: str | torch.device) -> dict[str, Any]:
+    """The reward model of every ``eval.metrics`` name, for a policy on ``device``.
+
+    On the reward device of that policy: this rank's ``cuda:LOCAL_RANK``, not the config's
+    bare ``cuda``.
+    """
+    device = config.rewards.resolve_device(str(device))
+    return {
+        name: load_reward(name, config.rewards.spec(name), device) for name in config.eval.metrics
+    }
 
 
 def write_evaluation(
@@ -241,7 +252,7 @@ def run_evaluate(
     """
     clock = StageClock.start()
     from jagg_pipeline.stages.distributed import barrier, distributed
-    from jagg_pipeline.stages.encode import open_pool
+    from jagg_pipeline.stages.encode import conditioning_inputs, open_pool
     from jagg_pipeline.stages.policy import load_sharded_policy
 
     out = Path(out)
@@ -257,22 +268,35 @@ def run_evaluate(
         )
         report = None
         if evaluation is not None:
-            report = _write(config, policy, out, evaluation, clock, conditioning)
+            report = write_evaluation_output(
+                config,
+                out,
+                evaluation,
+                policy=str(policy),
+                trained=trained_rounds(policy),
+                inputs=stage_inputs(config.eval.prompts, policy)
+                | conditioning_inputs(conditioning),
+                time=clock.record(),
+            )
         barrier()  # the output is complete before any rank exits
     return report
 
 
-def _write(
+def write_evaluation_output(
     config: Any,
-    policy: str | Path,
     out: Path,
     evaluation: Evaluation,
-    clock: StageClock,
-    conditioning: str | Path | None,
+    *,
+    policy: str,
+    trained: int | None,
+    inputs: Mapping[str, Path],
+    time: Mapping[str, float],
 ) -> dict[str, Any]:
-    """Rank 0's part of the evaluate stage: every file of ``out``, the manifest last."""
-    from jagg_pipeline.stages.encode import conditioning_inputs
+    """Rank 0's part of the evaluate stage: every file of ``out``, the manifest last.
 
+    ``policy``: what was evaluated, as named; ``trained``: the rounds behind it (None:
+    unknown), the metric line's round.
+    """
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, (f"{IMAGES_DIR}/*.png", METRICS_NAME))
     ev = config.eval
@@ -285,14 +309,14 @@ def _write(
         "seed": ev.seed,
     }
     report = write_evaluation(evaluation, out, info)
-    metrics = _metric_values(report["metrics"]) | {"time": clock.record()}
-    append_metrics(out, STAGE, trained_rounds(policy), 0, metrics)
+    metrics = _metric_values(report["metrics"]) | {"time": dict(time)}
+    append_metrics(out, STAGE, trained, 0, metrics)
     finish_output(
         out,
         config,
         stage=STAGE,
         seeds={"eval": ev.seed},
-        inputs=stage_inputs(ev.prompts, policy) | conditioning_inputs(conditioning),
-        extra={"policy": str(policy), "prompts": ev.prompts},
+        inputs=inputs,
+        extra={"policy": policy, "prompts": ev.prompts},
     )
     return report

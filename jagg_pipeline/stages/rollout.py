@@ -346,8 +346,7 @@ def run_rollout(
     writes the manifest after all shards.
     """
     clock = StageClock.start()
-    from jagg_pipeline.io.manifest import recorded_digests
-    from jagg_pipeline.stages.distributed import all_gather_object, barrier, distributed
+    from jagg_pipeline.stages.distributed import distributed
     from jagg_pipeline.stages.encode import conditioning_inputs, open_pool
     from jagg_pipeline.stages.policy import load_sharded_policy
 
@@ -355,48 +354,102 @@ def run_rollout(
     plan = plan_rollout(config, resolve_prompts(prompts, column), round_index)
     source = open_pool(config, conditioning)
     with distributed(config.backbone.device) as ctx:
-        rank, world_size = ctx.rank, ctx.world_size
         # FSDP2-sharded over every rank (no rank holds the whole policy); each samples its
         # share of the micro-batches.
         backbone = load_sharded_policy(config, policy, ctx, text_encoders=source is None)
         backbone.use_precomputed(source)
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            begin_output(out, (*SHARD_FILES, METRICS_NAME))
-        barrier()
+        begin_rollout(out, ctx.rank)
         clock.lap("load")
         start = time.perf_counter()
-        shard = sample_rollout(backbone, plan, rank, world_size, progress and rank == 0)
+        shard = sample_rollout(backbone, plan, ctx.rank, ctx.world_size, progress and ctx.is_main)
         clock.lap("work")
-        shard.save(out, rank)
-        # The digests each rank recorded while writing its shard, for rank 0's manifest (a
-        # collective: also the barrier before it), so no shard is read back to be hashed.
-        recorded = {
-            name: digest
-            for digests in all_gather_object(recorded_digests(out))
-            for name, digest in digests.items()
-        }
-        if rank == 0:
-            seconds = time.perf_counter() - start
-            # What storing the velocities for on-policy reuse costs on disk.
-            velocities = shard.velocities
-            extra = 0 if velocities is None else velocities[0].numel() * velocities.itemsize
-            metrics = {"samples": len(plan.seeds), "seconds": seconds, "time": clock.record()}
-            append_metrics(out, STAGE, round_index, 0, metrics | {"velocity_bytes": extra})
-            finish_output(
-                out,
-                config,
-                stage=STAGE,
-                seeds={"train": config.train.seed, "round": round_index},
-                inputs=stage_inputs(prompts, policy) | conditioning_inputs(conditioning),
-                recorded=recorded,
-                extra={
-                    "policy": str(policy),
-                    "prompts": str(prompts),
-                    "world_size": world_size,
-                    "samples": len(plan.seeds),
-                    "micro_batches": [[r.start, r.stop] for r in plan.micro_batches],
-                    "trained_steps": plan.masks.trained_indices,
-                },
-            )
+        seconds = time.perf_counter() - start
+        finish_rollout(
+            config,
+            out,
+            shard,
+            plan,
+            rollout_metrics(plan, shard, seconds, clock.record()),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            round_index=round_index,
+            inputs=stage_inputs(prompts, policy) | conditioning_inputs(conditioning),
+            sources={"policy": str(policy), "prompts": str(prompts)},
+        )
     return out
+
+
+def begin_rollout(out: Path, rank: int) -> None:
+    """Rank 0 clears a rollout folder's stale manifest, shards and metrics; all ranks wait."""
+    from jagg_pipeline.stages.distributed import barrier
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        begin_output(out, (*SHARD_FILES, METRICS_NAME))
+    barrier()
+
+
+def rollout_metrics(
+    plan: RolloutPlan, shard: TrajectoryBatch, seconds: float, clock: Mapping[str, float]
+) -> dict[str, Any]:
+    """The rollout's metric line: samples, seconds, the job's times, velocity bytes.
+
+    ``velocity_bytes``: what storing the velocities for on-policy reuse costs per sample.
+    """
+    velocities = shard.velocities
+    extra = 0 if velocities is None else velocities[0].numel() * velocities.itemsize
+    return {
+        "samples": len(plan.seeds),
+        "seconds": seconds,
+        "time": dict(clock),
+        "velocity_bytes": extra,
+    }
+
+
+def finish_rollout(
+    config: Any,
+    out: Path,
+    shard: TrajectoryBatch,
+    plan: RolloutPlan,
+    metrics: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    round_index: int,
+    inputs: Mapping[str, Path],
+    sources: Mapping[str, str],
+) -> None:
+    """Every rank writes its shard of ``out``; rank 0 the metric line and the manifest, last.
+
+    A collective (after :func:`begin_rollout`). ``sources``: the policy and prompts as given,
+    recorded in the manifest.
+    """
+    from jagg_pipeline.io.manifest import recorded_digests
+    from jagg_pipeline.stages.distributed import all_gather_object
+
+    shard.save(out, rank)
+    # The digests each rank recorded while writing its shard, for rank 0's manifest (a
+    # collective: also the barrier before it), so no shard is read back to be hashed.
+    recorded = {
+        name: digest
+        for digests in all_gather_object(recorded_digests(out))
+        for name, digest in digests.items()
+    }
+    if rank != 0:
+        return
+    append_metrics(out, STAGE, round_index, 0, metrics)
+    finish_output(
+        out,
+        config,
+        stage=STAGE,
+        seeds={"train": config.train.seed, "round": round_index},
+        inputs=inputs,
+        recorded=recorded,
+        extra={
+            **sources,
+            "world_size": world_size,
+            "samples": len(plan.seeds),
+            "micro_batches": [[r.start, r.stop] for r in plan.micro_batches],
+            "trained_steps": plan.masks.trained_indices,
+        },
+    )

@@ -28,7 +28,7 @@ from jagg_pipeline.core.grpo import group_advantages
 from jagg_pipeline.io.artifacts import METRICS_NAME, append_metrics, atomic_write_json
 from jagg_pipeline.io.manifest import CHECKED_SECTIONS, begin_output, check_input, finish_output
 from jagg_pipeline.io.tables import write_table
-from jagg_pipeline.io.trajectories import RolloutReader
+from jagg_pipeline.io.trajectories import RolloutReader, TrajectoryBatch
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
 from jagg_pipeline.support.startup import StageClock
 
@@ -79,16 +79,27 @@ def reward_columns(
 
 
 def score_rollout(
-    rollout: RolloutReader, reward: MultiReward, advantage: Any, chunk: int = 32
+    rollout: RolloutReader | TrajectoryBatch, reward: MultiReward, advantage: Any, chunk: int = 32
 ) -> Scores:
-    """Score the rollout's images against their prompts, reading ``chunk`` images at a time.
+    """Score the rollout's images against their prompts, ``chunk`` images at a time.
 
-    ``advantage`` is the config section whose std mode, eps and clip give the group statistics.
+    ``rollout``: a rollout folder (its images read chunk by chunk) or a batch in memory with
+    its images (a block of rounds). ``advantage`` is the config section whose std mode, eps
+    and clip give the group statistics.
     """
     prompts = [rollout.prompts[i] for i in rollout.prompt_ids.tolist()]
     size = len(rollout)
+    if isinstance(rollout, TrajectoryBatch):
+        images = rollout.images
+        if images is None:
+            raise ValueError("the rollout batch holds no images to score")
+
+        def read(samples: range) -> torch.Tensor:
+            return images[samples.start : samples.stop]
+    else:
+        read = rollout.images
     chunks = (
-        (rollout.images(range(i, min(i + chunk, size))), prompts[i : i + chunk])
+        (read(range(i, min(i + chunk, size))), prompts[i : i + chunk])
         for i in range(0, size, chunk)
     )
     columns = _chunk_columns(reward.rewards, chunks)
@@ -155,30 +166,62 @@ def run_score(
         rollouts, stage="rollout", config=config, sections=CHECKED_SECTIONS["rollout"]
     )
     rollout = RolloutReader(rollouts)
+    reward = reward_models(config, device)
+    clock.lap("load")
+    scores = score_rollout(rollout, reward, config.advantage, chunk)
+    clock.lap("work")
+    write_scores(
+        config,
+        out,
+        scores,
+        round_index=made.get("seeds", {}).get("round", 0),
+        seeds=made.get("seeds", {}),
+        inputs={"rollouts": rollouts},
+        time=clock.record(),
+    )
+    return scores
+
+
+def reward_models(config: Any, device: str | torch.device | None = None) -> MultiReward:
+    """The weighted rewards of ``config.rewards``, with the ``advantage`` group statistics.
+
+    On ``device`` (None: ``rewards.device``, else ``backbone.device``).
+    """
     if device is None:
         device = config.rewards.resolve_device(config.backbone.device)
-    reward = MultiReward.from_spec(
+    return MultiReward.from_spec(
         config.rewards,
         device,
         std_mode=config.advantage.std_mode,
         eps=config.advantage.eps,
         clip=config.advantage.clip,
     )
-    clock.lap("load")
-    scores = score_rollout(rollout, reward, config.advantage, chunk)
-    clock.lap("work")
+
+
+def write_scores(
+    config: Any,
+    out: str | Path,
+    scores: Scores,
+    *,
+    round_index: int,
+    seeds: Mapping[str, Any],
+    inputs: Mapping[str, Path],
+    time: Mapping[str, float],
+) -> Path:
+    """Write a score folder: table, summary, metric line, resolved config, manifest last."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     begin_output(out, [METRICS_NAME])
     write_table(table_path(out), scores.rows)
     atomic_write_json(out / SUMMARY_NAME, scores.summary)
-    metrics = _flat_summary(scores) | {"time": clock.record()}
-    append_metrics(out, STAGE, made.get("seeds", {}).get("round", 0), 0, metrics)
+    metrics = _flat_summary(scores) | {"time": dict(time)}
+    append_metrics(out, STAGE, round_index, 0, metrics)
     finish_output(
         out,
         config,
         stage=STAGE,
-        seeds=made.get("seeds", {}),
-        inputs={"rollouts": rollouts},
+        seeds=seeds,
+        inputs=inputs,
         extra={"rows": len(scores.rows)},
     )
-    return scores
+    return out

@@ -35,7 +35,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from jagg_pipeline.backbones import Backbone
 from jagg_pipeline.core import jagg
 from jagg_pipeline.core.objective import GRPOStepLoss
 from jagg_pipeline.io import shards
@@ -53,7 +54,7 @@ from jagg_pipeline.io.manifest import (
     check_made,
 )
 from jagg_pipeline.io.tables import read_table
-from jagg_pipeline.io.trajectories import RolloutReader
+from jagg_pipeline.io.trajectories import RolloutReader, TrajectoryBatch
 from jagg_pipeline.io.verify import Reads, verify_reads, verify_sharded
 from jagg_pipeline.stages import checkpoint as ckpt
 from jagg_pipeline.stages import distributed
@@ -79,7 +80,9 @@ class TrainInputError(InputError):
 class RoundData:
     """A scored rollout, checked: trajectories, advantages, rewards and the sampling batches."""
 
-    batch: RolloutReader  # each rank reads the trajectories of its own samples only
+    # A rollout folder (each rank reads the trajectories of its own samples only), or the
+    # whole rollout in memory (a block of rounds).
+    batch: RolloutReader | TrajectoryBatch
     advantages: torch.Tensor  # [B] float32, from the score table
     rewards: dict[str, torch.Tensor]  # each reward column and "total", [B]
     micro_batches: list[list[int]]  # sample indices, as the rollout sampled them
@@ -169,17 +172,38 @@ def load_round_data(
         reads.append(Reads(Path(policy), check_checkpoint(config, policy), trainer))
     verify_reads(reads)
     batch = RolloutReader(rollouts)
-    names = list(config.rewards.weights)
-    rows = _table_rows(table_path(scores), batch, names)
+    rows = _table_rows(table_path(scores), batch, list(config.rewards.weights))
+    return scored_round(
+        config,
+        batch,
+        rows,
+        _rollout_micro_batches(rollouts, made, len(batch)),
+        int(made.get("seeds", {}).get("round", 0)),
+    )
+
+
+def scored_round(
+    config: Any,
+    batch: RolloutReader | TrajectoryBatch,
+    rows: Sequence[Mapping[str, Any]],
+    micro_batches: list[list[int]],
+    round_index: int,
+) -> RoundData:
+    """A round's training inputs from its rollout and its score table's rows (as written).
+
+    The rows' values go through Python floats to float32 whichever way they came (read from
+    the table or handed over in memory), so both give the same tensors.
+    """
+    names = (*config.rewards.weights, "total")
     return RoundData(
         batch=batch,
         advantages=torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32),
         rewards={
             name: torch.tensor([float(r[name]) for r in rows], dtype=torch.float32)
-            for name in (*names, "total")
+            for name in names
         },
-        micro_batches=_rollout_micro_batches(rollouts, made, len(batch)),
-        round=int(made.get("seeds", {}).get("round", 0)),
+        micro_batches=micro_batches,
+        round=round_index,
     )
 
 
@@ -282,7 +306,7 @@ def decide_routing(
 
 
 @contextmanager
-def _deterministic() -> Iterator[None]:
+def deterministic() -> Iterator[None]:
     """Deterministic kernels where torch has them (matters on CUDA), restored afterwards."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -378,8 +402,12 @@ def _interior_path(stats: Sequence[Sequence[jagg.WindowStats]], window: int) -> 
     }
 
 
-class _Trainer:
-    """One round's live state on one rank: the sharded policy, optimizer, schedule and EMA."""
+class Trainer:
+    """The training state on one rank: the sharded policy, optimizer, schedule, EMA, generator.
+
+    Built from ``base`` or a checkpoint, it trains one round per :meth:`train` call: the
+    train stage trains one and writes it; a block of rounds keeps it between rounds.
+    """
 
     def __init__(
         self,
@@ -387,11 +415,15 @@ class _Trainer:
         ctx: distributed.DistContext,
         policy: str | Path,
         previous: ckpt.TrainerState | None,
+        backbone: Backbone | None = None,
     ) -> None:
         from jagg_pipeline.io.artifacts import BASE
         from jagg_pipeline.stages.policy import load_sharded_policy
 
         self.config, self.ctx = config, ctx
+        # The round trained next, and the routing the last round used (auto keeps it).
+        self.round = 0 if previous is None else previous.round + 1
+        self.routing = None if previous is None else Routing.from_dict(previous.routing)
         self.engine = config.jagg.engine_options()
         train = config.train
         self.generator = torch.Generator()
@@ -407,7 +439,10 @@ class _Trainer:
 
         # The policy built sharded: each rank reads only its own rows of the weights (the
         # checkpoint's, the base's for the rest), then of the optimizer state and EMA.
-        self.backbone = load_sharded_policy(config, policy, ctx, for_training=True)
+        # ``backbone``: ``policy`` loaded so already (a block of rounds samples with it too).
+        if backbone is None:
+            backbone = load_sharded_policy(config, policy, ctx, for_training=True)
+        self.backbone = backbone
         self.velocity = self.clock.wrap(self.backbone.velocity)
         self.reference = None
         if config.grpo.kl_beta > 0:
@@ -611,6 +646,47 @@ class _Trainer:
             self.scheduler.step()
         return grad_norm, applied
 
+    def train(
+        self, data: RoundData, clock: StageClock, progress: bool
+    ) -> tuple[list[dict[str, Any]], Routing]:
+        """Train round :attr:`round` on ``data``; its per-step metrics and routing.
+
+        ``data`` was sampled by the current weights. ``clock``: the job's (its seconds go on
+        the first step's line, which tracking sums over a round); its load lap ends after
+        planning.
+        """
+        config, round_index = self.config, self.round
+        # The weights are those that sampled the round's rollout until an optimizer step is
+        # applied: the on-policy state.
+        self.on_policy = True
+        # Plan and route: micro-batches into optimizer steps and ranks; windows to engines.
+        windows = jagg.split_windows(
+            data.batch.trained_steps, config.jagg.window, config.jagg.anchors
+        )
+        plan = plan_steps(
+            len(data.micro_batches), config.train.minibatches, self.ctx.world_size, self.generator
+        )
+        order = [m for step in plan for rank in step for m in rank]
+        clock.lap("load")
+        probe_start = time.perf_counter()
+
+        def probe() -> list[dict[str, Any]]:
+            return self.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups))
+
+        routing = decide_routing(config.jagg, len(windows), round_index, self.routing, probe)
+        probes = routing.probes if routing.probed_round == round_index else None
+        every = config.jagg.probe_every
+        if probes is None and every and round_index % every == 0:
+            probes = probe()  # measured for the report only; the routing stays as decided
+        probe_seconds = time.perf_counter() - probe_start
+        metrics = _run_steps(
+            self, data, plan, windows, routing, round_index, (probes, probe_seconds), progress
+        )
+        clock.lap("work")
+        metrics[0]["time"].update(clock.record())
+        self.routing, self.round = routing, round_index + 1
+        return metrics, routing
+
     def contents(
         self, round_index: int, routing: Routing, metrics: list[dict[str, Any]]
     ) -> ckpt.CheckpointContents:
@@ -634,7 +710,7 @@ class _Trainer:
 
 
 def _run_steps(
-    trainer: _Trainer,
+    trainer: Trainer,
     data: RoundData,
     plan: list[list[list[int]]],
     windows: list[list[int]],
@@ -681,8 +757,8 @@ def _run_steps(
     return metrics
 
 
-def _save(
-    trainer: _Trainer,
+def save_round(
+    trainer: Trainer,
     contents: ckpt.CheckpointContents,
     out: Path,
     policy: str | Path,
@@ -727,7 +803,7 @@ def train_round(
     from jagg_pipeline.io.artifacts import BASE, policy_weights_dir
 
     out = Path(out)
-    with distributed.distributed(config.backbone.device) as ctx, _deterministic():
+    with distributed.distributed(config.backbone.device) as ctx, deterministic():
         # Load: the round's inputs, checked against each other and the policy (under the
         # process group: the ranks of a node share out verifying what they read).
         data = load_round_data(config, policy, rollouts, scores)
@@ -748,47 +824,24 @@ def train_round(
                 file=sys.stderr,
             )
         # Build: the sharded policy, optimizer, schedule, EMA.
-        trainer = _Trainer(config, ctx, policy, previous)
-        # Plan and route: micro-batches into optimizer steps and ranks; windows to engines.
-        windows = jagg.split_windows(
-            data.batch.trained_steps, config.jagg.window, config.jagg.anchors
-        )
-        plan = plan_steps(
-            len(data.micro_batches), config.train.minibatches, ctx.world_size, trainer.generator
-        )
-        order = [m for step in plan for rank in step for m in rank]
-        clock.lap("load")
-        probe_start = time.perf_counter()
-
-        def probe() -> list[dict[str, Any]]:
-            return trainer.probe(data, _probe_indices(data, order, config.jagg.auto_probe_groups))
-
-        routing = decide_routing(
-            config.jagg,
-            len(windows),
-            round_index,
-            None if previous is None else Routing.from_dict(previous.routing),
-            probe,
-        )
-        probes = routing.probes if routing.probed_round == round_index else None
-        every = config.jagg.probe_every
-        if probes is None and every and round_index % every == 0:
-            probes = probe()  # measured for the report only; the routing stays as decided
-        probe_seconds = time.perf_counter() - probe_start
-        # Loop, then save.
-        metrics = _run_steps(
-            trainer, data, plan, windows, routing, round_index, (probes, probe_seconds), progress
-        )
-        clock.lap("work")
-        # The job's seconds go on its first step's line: tracking sums time.* over a round.
-        metrics[0]["time"].update(clock.record())
-        if all(row["skipped"] for row in metrics) and not config.train.allow_skipped_round:
-            raise ckpt.NonFiniteError(
-                f"round {round_index}: all {len(metrics)} optimizer step(s) were skipped (the "
-                "loss or the gradient was not finite: check the rewards and advantages of "
-                f"{scores}); no checkpoint written. train.allow_skipped_round: true writes the "
-                "unchanged policy instead"
-            )
-        contents = trainer.contents(round_index, routing, metrics)
-        _save(trainer, contents, out, policy, inputs)
+        trainer = Trainer(config, ctx, policy, previous)
+        metrics, routing = trainer.train(data, clock, progress)
+        refuse_all_skipped(config, round_index, metrics, scores)
+        save_round(trainer, trainer.contents(round_index, routing, metrics), out, policy, inputs)
     return RoundResult(out, round_index, metrics, routing)
+
+
+def refuse_all_skipped(
+    config: Any, round_index: int, metrics: Sequence[Mapping[str, Any]], scores: str | Path
+) -> None:
+    """Refuse a round whose every optimizer step was skipped, unless allowed.
+
+    Nothing was learnt, most likely from broken rewards (``scores``: where they are).
+    """
+    if all(row["skipped"] for row in metrics) and not config.train.allow_skipped_round:
+        raise ckpt.NonFiniteError(
+            f"round {round_index}: all {len(metrics)} optimizer step(s) were skipped (the "
+            "loss or the gradient was not finite: check the rewards and advantages of "
+            f"{scores}); no checkpoint written. train.allow_skipped_round: true writes the "
+            "unchanged policy instead"
+        )

@@ -73,6 +73,8 @@ WORKFLOW_RULES: tuple[str, ...] = (
     "score",
     "train",
     "train_transient",
+    "block",
+    "block_transient",
     "evaluate",
     "summary",
     "track",
@@ -201,6 +203,16 @@ class WorkflowConfig:
         "round-<r>/metrics/). null: keep every round",
         minimum=1,
     )
+    rounds_per_job: int = field(
+        1,
+        help="rounds of a run per job: 1 runs each round as its rollout, score and train jobs "
+        "(each loads its models and hands over files); K > 1 runs K consecutive rounds in one "
+        "block job over the training ranks, the models resident and rollouts and scores in "
+        "memory, with the same results bit for bit (K >= train.rounds: the whole run in one "
+        "job). For long runs, large models, a busy queue; 1 for inspecting and debugging a "
+        "round",
+        minimum=1,
+    )
     encode_prompts: bool = field(
         True,
         help="encode each prompt pool once (the encode rule, <results>/conditioning/<pool>/) "
@@ -244,7 +256,8 @@ class Run:
 
     ``policy``: for an evaluation run, what it evaluates (``base`` or a checkpoint folder);
     None for a training run, which evaluates its own rounds. ``keep_every``:
-    ``workflow.keep_every`` (which rounds keep their checkpoint and rollout).
+    ``workflow.keep_every`` (which rounds keep their checkpoint and rollout);
+    ``rounds_per_job``: ``workflow.rounds_per_job`` (its blocks of rounds).
     """
 
     experiment: str
@@ -255,6 +268,7 @@ class Run:
     directory: str
     policy: str | None = None
     keep_every: int | None = None
+    rounds_per_job: int = 1
 
     @property
     def run_id(self) -> str:
@@ -272,6 +286,26 @@ class Run:
     def kept_rounds(self) -> list[int]:
         """Training rounds whose checkpoint and rollout stay on disk (:func:`kept_rounds`)."""
         return [] if self.policy is not None else kept_rounds(self.config, self.keep_every)
+
+    @property
+    def blocks(self) -> list[range]:
+        """The rounds of each block job, in order, ``workflow.rounds_per_job`` each.
+
+        None when each round runs as its own jobs (``rounds_per_job`` 1) and for an
+        evaluation run. See :func:`blocks`.
+        """
+        if self.policy is not None or self.rounds_per_job == 1:
+            return []
+        return blocks(self.config.train.rounds, self.rounds_per_job)
+
+    def block_evaluations(self, block: range) -> list[int]:
+        """The evaluations a block runs, as rounds trained before each.
+
+        ``n`` past the block's first round up to its end (the policy it starts from is its
+        predecessor's last), and the base policy (0) in the first block.
+        """
+        first = block.start
+        return [n for n in self.evaluated_rounds if first < n <= block.stop or n == first == 0]
 
 
 def split(data: Mapping[str, Any]) -> tuple[dict[str, Any], WorkflowConfig]:
@@ -518,7 +552,17 @@ def _resolve(base, workflow, target, variant, overrides, seed_key, seed, policy=
         raise ConfigError(f"{target}.variants.{variant} (base + overrides): {err}") from None
     name = target.rsplit(".", 1)[-1]
     directory = f"{workflow.results}/{name}/{variant}/seed-{seed}"
-    return Run(name, variant, seed, config, overrides, directory, policy, workflow.keep_every)
+    return Run(
+        name,
+        variant,
+        seed,
+        config,
+        overrides,
+        directory,
+        policy,
+        workflow.keep_every,
+        workflow.rounds_per_job,
+    )
 
 
 def resolve_runs(data: Mapping[str, Any]) -> dict[str, Run]:
@@ -698,6 +742,31 @@ def kept_rounds(config: RunConfig, keep_every: int | None) -> list[int]:
     kept = {r for r in range(rounds) if (r + 1) % keep_every == 0}
     kept |= {n - 1 for n in evaluated_rounds(rounds, config.eval.every) if n > 0}
     return sorted(kept | {rounds - 1})
+
+
+def blocks(rounds: int, rounds_per_job: int) -> list[range]:
+    """Rounds ``0 .. rounds - 1`` in consecutive blocks of ``rounds_per_job``.
+
+    The last block is shorter when ``rounds_per_job`` does not divide ``rounds``.
+    """
+    return [
+        range(first, min(first + rounds_per_job, rounds))
+        for first in range(0, rounds, rounds_per_job)
+    ]
+
+
+def dag_recursion_limit(runs: Iterable[Run]) -> int:
+    """A Python recursion limit under which Snakemake can build the DAG of ``runs``.
+
+    Snakemake's ``DAG.update`` recurses a couple of frames per job along the longest chain
+    of dependent jobs; a run's chain is one train (or block) job per round (per block). 1000
+    rounds of single-round jobs needed 2100 (measured); this leaves room: 1000 + 4 per link.
+    """
+    longest = max(
+        (len(run.blocks) or run.config.train.rounds for run in runs),
+        default=0,
+    )
+    return 1000 + 4 * longest
 
 
 def _select(data: Mapping[str, Any], dotted: str) -> Any:

@@ -28,6 +28,7 @@ from jagg_pipeline.config.tools import (
 )
 from jagg_pipeline.workflow.experiments import (
     check_inputs,
+    dag_recursion_limit,
     merge,
     resolve_runs,
     split,
@@ -59,6 +60,9 @@ def _own_config():
 config.clear()
 config.update(_own_config())
 RUNS = resolve_runs(config)
+# Snakemake builds the DAG recursively, a few frames per job of the longest chain of a run
+# (every round's train job follows the previous one's): raise Python's limit to fit.
+sys.setrecursionlimit(max(sys.getrecursionlimit(), dag_recursion_limit(RUNS.values())))
 WORKFLOW = split(config)[1]
 RESULTS = WORKFLOW.results
 TOYWORLD = WORKFLOW.toyworld.root
@@ -281,11 +285,12 @@ def ranks_launcher(wildcards):
 
 def evaluate_inputs(wildcards):
     """The policy after ``trained`` rounds or an evaluation's checkpoint (nothing but the toy
-    world for a base policy)."""
+    world for a base policy; the record of the block that wrote a checkpoint inside it).
+    """
     inputs = _toyworld_inputs(run_of(wildcards).config)
     policy = evaluate_policy(wildcards)
     if policy != "base":
-        inputs["policy"] = policy
+        inputs["policy"] = BLOCK_WRITTEN.get(os.path.normpath(policy), policy)
     return inputs
 
 
@@ -494,6 +499,15 @@ def run_files(run):
     it (tested: a round's scores and an evaluation deleted after a finished run are rebuilt
     by the next run of the target).
     """
+    if run.blocks:
+        # Blocks of rounds: each block's record stands for what the block wrote, and its
+        # last checkpoint when kept (a lost one is made again; the others: lost_blocks).
+        files = [block_record(run, block) for block in run.blocks]
+        return files + [
+            checkpoint_dir(run, block[-1])
+            for block in run.blocks
+            if kept_round(run, block[-1])
+        ]
     files = [f"{run.directory}/eval/{evaluation_name(n)}" for n in run.evaluated_rounds]
     if run.policy is not None:
         return files
@@ -514,7 +528,7 @@ def lost_records(run):
     writes both. (The lines alone could come from either rule of a pair; a run still going
     writes them itself, and asking for a transient folder keeps it until the target is done.)
     """
-    rounds = 0 if run.policy is not None else run.config.train.rounds
+    rounds = 0 if run.policy is not None or run.blocks else run.config.train.rounds
 
     def records(round_index):
         return Path(round_folder(run, round_index), ROUND_RECORDS)
@@ -552,6 +566,7 @@ def target_files(experiment):
     files = [f"{RESULTS}/{experiment}/tracking/tracked.json"]
     for run in _runs(experiment):
         files += run_files(run) + lost_records(run)
+        force_lost_blocks(run)
     return files
 
 
@@ -731,3 +746,150 @@ def encode_gpus(wildcards):
     device = pool_of(wildcards).config.backbone.device
     why = f"backbone.device {device}"
     return _gpus(f"encode {wildcards.pool}", int(_on_cuda(device)), why)
+
+
+# Blocks of rounds (workflow.rounds_per_job K > 1, block.smk): a run's rounds in blocks of K,
+# a block named by its last round e. Its job writes every file of its rounds at the paths of
+# the single-round jobs; Snakemake knows its record and its last checkpoint.
+BLOCK_RECORD = "block.json"
+BLOCK_TRANSIENT_RECORD = "block-transient.json"
+BLOCK_STAGES = ("rollout", "score", "train", "evaluate")
+
+
+def block_record(run, block):
+    """The record of ``block`` (a range of rounds) of ``run``: round-<e>/block.json, or
+    block-transient.json when round e keeps no checkpoint (the rule block_transient's).
+    """
+    last = block[-1]
+    name = BLOCK_RECORD if kept_round(run, last) else BLOCK_TRANSIENT_RECORD
+    return f"{round_folder(run, last)}/{name}"
+
+
+def block_files(run, block):
+    """What ``block`` of ``run`` writes besides its outputs: every round's scores and
+    metric lines, the kept rounds' rollouts and checkpoints, its evaluations."""
+    files = []
+    for round_index in block:
+        folder = round_folder(run, round_index)
+        files += [f"{folder}/scores"]
+        files += [
+            f"{folder}/{ROUND_RECORDS}/{stage}.jsonl" for stage in BLOCK_STAGES[:3]
+        ]
+        if kept_round(run, round_index):
+            files += [rollout_dir(run, round_index), checkpoint_dir(run, round_index)]
+    files += [
+        f"{run.directory}/eval/{evaluation_name(n)}"
+        for n in run.block_evaluations(block)
+    ]
+    return files
+
+
+# Checkpoints written inside a block (kept rounds, not its last): what an evaluation run that
+# names one waits for is the block's record.
+BLOCK_WRITTEN = {
+    os.path.normpath(checkpoint_dir(run, round_index)): block_record(run, block)
+    for run in RUNS.values()
+    for block in run.blocks
+    for round_index in block[:-1]
+    if kept_round(run, round_index)
+}
+
+
+def block_of(wildcards):
+    """(run, rounds) of a block job: the block that ends with round ``wildcards.round``."""
+    run, last = run_of(wildcards), int(wildcards.round)
+    for block in run.blocks:
+        if block[-1] == last:
+            return run, block
+    raise ValueError(
+        f"{run.run_id}: round {last} ends no block of {run.rounds_per_job} rounds "
+        f"(workflow.rounds_per_job); blocks end with rounds "
+        f"{', '.join(str(block[-1]) for block in run.blocks)}"
+    )
+
+
+def block_inputs(wildcards):
+    """The policy the block starts from (the previous block's last checkpoint), the toy world
+    and the prompt pools its rounds and evaluations read."""
+    run, block = block_of(wildcards)
+    inputs = _toyworld_inputs(run.config)
+    if block.start > 0:
+        inputs["policy"] = _policy(run, block.start)
+    pools = RUN_POOLS.get(run.run_id, {})
+    if "rollout" in pools:
+        inputs["conditioning"] = f"{CONDITIONING}/{pools['rollout']}"
+    if run.block_evaluations(block) and "evaluate" in pools:
+        inputs["eval_conditioning"] = f"{CONDITIONING}/{pools['evaluate']}"
+    return inputs
+
+
+def block_policy(wildcards):
+    """The --policy of a block: base, or the checkpoint after its first round's predecessors."""
+    run, block = block_of(wildcards)
+    return _policy(run, block.start)
+
+
+def run_folder(wildcards):
+    """The job's run folder."""
+    return run_of(wildcards).directory
+
+
+def block_rounds(wildcards):
+    """``FIRST LAST`` of a block job."""
+    _, block = block_of(wildcards)
+    return f"{block.start} {block[-1]}"
+
+
+def block_kept(wildcards):
+    """The block's rounds that keep their rollout and checkpoint (workflow.keep_every)."""
+    run, block = block_of(wildcards)
+    return " ".join(str(r) for r in block if kept_round(run, r))
+
+
+def block_evaluations(wildcards):
+    """The rounds trained before each evaluation the block runs (Run.block_evaluations)."""
+    run, block = block_of(wildcards)
+    return " ".join(str(n) for n in run.block_evaluations(block))
+
+
+def block_conditioning_arguments(wildcards):
+    """--conditioning and --eval-conditioning of a block job (as a list; none: inline)."""
+    run, block = block_of(wildcards)
+    inputs = block_inputs(wildcards)
+    arguments = []
+    for key, flag in (
+        ("conditioning", "--conditioning"),
+        ("eval_conditioning", "--eval-conditioning"),
+    ):
+        if key in inputs:
+            arguments += [flag, inputs[key]]
+    return arguments
+
+
+def block_digest(wildcards):
+    """The digests of what the block's stages read (an edit of any reruns the block)."""
+    run, block = block_of(wildcards)
+    stages = BLOCK_STAGES if run.block_evaluations(block) else BLOCK_STAGES[:3]
+    return digest([stage_digest(run.config, stage) for stage in stages])
+
+
+def block_runtime(wildcards):
+    """A block job's time limit in minutes: an hour, and half an hour per round."""
+    _, block = block_of(wildcards)
+    return 60 + 30 * len(block)
+
+
+def force_lost_blocks(run):
+    """Rerun the finished blocks of ``run`` whose files are not all there any more (deleted
+    by hand, or lost with a disk): their record is what Snakemake knows of them, so it is
+    forced (Snakemake's forcerun, added to the DAG being built: a record's content cannot
+    say it). A rerun resumes after the last complete checkpoint before the first lost file.
+    """
+    dag = workflow.dag
+    if dag is None or not workflow.is_main_process:
+        return
+    for block in run.blocks:
+        record = block_record(run, block)
+        files = block_files(run, block)
+        if Path(record).is_file() and not all(Path(path).exists() for path in files):
+            dag.forcefiles.add(record)

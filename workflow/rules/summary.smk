@@ -2,13 +2,6 @@
 # markdown table and the curves.
 
 
-# A round's rollout and train metric lines are outputs of the rule pair that writes its
-# stage folder (kept or transient). The summary and the targets ask for a kept round's lines
-# by name: the kept rule makes them (a transient round's are never asked for by name).
-ruleorder: rollout > rollout_transient
-ruleorder: train > train_transient
-
-
 rule summary:
     input:
         summary_inputs,
