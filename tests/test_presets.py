@@ -121,6 +121,14 @@ def test_preset_resolves_as_shipped_without_touching_a_file(name, tmp_path, monk
     assert -(-trained // jagg.jagg.window) == expected.windows
     assert round(0.6 * expected.windows) == expected.routed
     assert jagg.tracking.backend == "mlflow" and name in jagg.tracking.mlflow_experiment
+    # One block job per evaluation interval, which keeps its checkpoint.
+    run = by_variant["jagg"]
+    assert run.rounds_per_job == jagg.eval.every == run.keep_every
+    every, rounds = jagg.eval.every, jagg.train.rounds
+    assert [block.stop for block in run.blocks] == sorted(
+        {*range(every, rounds + 1, every), rounds}
+    )
+    assert all(block[-1] in run.kept_rounds for block in run.blocks)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

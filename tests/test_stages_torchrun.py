@@ -6,15 +6,12 @@ over two ranks writes what one process writes. ``python -m torch.distributed.run
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from stage_helpers import tiny_checkpoint, write_experiment, write_prompts
+from train_helpers import torchrun
 
 from jagg_pipeline.io.manifest import read_manifest
 from jagg_pipeline.io.trajectories import load_rollout
@@ -32,33 +29,6 @@ TENSORS = (
     "images",
     "sample_ids",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(*arguments: str) -> None:
-    """``python -m jagg_pipeline ARGUMENTS`` on two gloo ranks; fails the test on an error."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "jagg_pipeline",
-        *arguments,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -173,7 +173,19 @@ def run_train_command(
     args: list[str], nproc: int | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess:
     """``python -m jagg_pipeline train ARGS`` (under torchrun with ``nproc``); must succeed."""
-    command = [*launcher(nproc), "-m", "jagg_pipeline", "train", *args]
+    return run_command("train", args, nproc, timeout)
+
+
+def torchrun(command: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m jagg_pipeline COMMAND ARGS`` on two gloo ranks; must succeed."""
+    return run_command(command, list(args), nproc=2)
+
+
+def run_command(
+    name: str, args: list[str], nproc: int | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """``python -m jagg_pipeline NAME ARGS`` (under torchrun with ``nproc``); must succeed."""
+    command = [*launcher(nproc), "-m", "jagg_pipeline", name, *args]
     result = subprocess.run(
         command, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
     )

@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the `encode` output of eval.prompts, for the --evaluate evaluations (default: "
         "encode them inline)",
     )
-    p.add_argument("--run", type=Path, required=True, metavar="DIR", help="the run's folder")
+    # Not --run: torchrun, which starts this command, would take it for its --run-path.
+    p.add_argument("--run-dir", type=Path, required=True, metavar="DIR", help="the run's folder")
     p.add_argument(
         "--rounds",
         type=int,
@@ -115,7 +116,7 @@ def block_outputs(args: argparse.Namespace) -> BlockOutputs:
         )
     rounds = {}
     for round_index in range(first, last + 1):
-        folder = args.run / round_name(round_index)
+        folder = args.run_dir / round_name(round_index)
         kept = round_index in args.keep
         checkpoint = folder / "checkpoint" if kept else None
         if round_index == last:
@@ -127,7 +128,7 @@ def block_outputs(args: argparse.Namespace) -> BlockOutputs:
             checkpoint=checkpoint,
             policy_name=str(checkpoint or folder / "checkpoint (in memory)"),
         )
-    evaluations = {n: args.run / "eval" / evaluation_name(n) for n in sorted(args.evaluate)}
+    evaluations = {n: args.run_dir / "eval" / evaluation_name(n) for n in sorted(args.evaluate)}
     return BlockOutputs(rounds, evaluations, args.record)
 
 
@@ -151,5 +152,5 @@ def _run(args: argparse.Namespace) -> int:
         except NonFiniteError as err:
             raise SystemExit(f"error: {err}") from None
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, say it once
-        print(f"rounds {args.rounds[0]}-{args.rounds[1]} written under {args.run}")
+        print(f"rounds {args.rounds[0]}-{args.rounds[1]} written under {args.run_dir}")
     return 0

@@ -47,7 +47,7 @@ rule block:
     shell:
         "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline block"
         " --config {params.config:q} --set backbone.device={params.device:q}"
-        " --policy {params.policy:q} --run {params.run:q} --rounds {params.rounds}"
+        " --policy {params.policy:q} --run-dir {params.run:q} --rounds {params.rounds}"
         " --keep {params.keep} --evaluate {params.evaluate} {params.conditioning:q}"
         " --checkpoint {output.checkpoint:q} --record {output.record:q} > {log:q} 2>&1"
 
