@@ -27,7 +27,14 @@ import pytest
 from block_helpers import blocks, checkpoint_files, round_lines, single_rounds
 from stage_helpers import tiny_checkpoint, write_experiment
 from train_helpers import torchrun
-from workflow_helpers import REDUCED, comparable_outputs, snakemake, write_config
+from workflow_helpers import (
+    REDUCED,
+    blocks_workdir,
+    comparable_outputs,
+    snakemake,
+    without_blocks,
+    write_config,
+)
 
 from jagg_pipeline.workflow.experiments import blocks as block_ranges
 from jagg_pipeline.workflow.experiments import resolve_runs
@@ -104,32 +111,17 @@ def test_the_workflow_plans_blocks_their_evaluations_and_records():
 # --------------------------------------------------------------------------------------------
 
 
-def _blocks_workdir(reduced_all: Path, workdir: Path, rounds_per_job: int) -> Path:
-    """The reduced `all` at ``rounds_per_job``, reusing the reference's toy world and pools."""
-    for folder in ("toyworld", "conditioning"):
-        shutil.copytree(reduced_all / "results" / folder, workdir / "results" / folder)
-    data = json.loads(json.dumps(REDUCED))
-    data["workflow"]["rounds_per_job"] = rounds_per_job
-    write_config(workdir, data)
-    return workdir
-
-
-def _without_blocks(outputs: dict) -> dict:
-    return {k: v for k, v in outputs.items() if not k.endswith(("block.json", "-transient.json"))}
-
-
 @pytest.mark.slow
 def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all, tmp_path):
     """Every output of the reduced `all` (checkpoints, rollouts, scores, evaluations, the
     summary's table and curves) is the single-round run's, at K = 2 (the whole run)."""
-    workdir = _blocks_workdir(reduced_all, tmp_path, 2)
+    workdir = blocks_workdir(reduced_all, tmp_path, 2)
     result = snakemake(workdir, "--cores", "2", "all", timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "rule block:" in result.stdout + result.stderr
     assert "rule train:" not in result.stdout + result.stderr
-    ours, reference = comparable_outputs(workdir), comparable_outputs(reduced_all)
-    ours = _without_blocks(ours)
-    reference = {k: v for k, v in reference.items() if not k.startswith("comparison/")}
+    ours = without_blocks(comparable_outputs(workdir))
+    reference = without_blocks(comparable_outputs(reduced_all))
     assert ours.keys() == reference.keys()
     assert [name for name in ours if ours[name] != reference[name]] == []
     for variant in ("exact", "jagg"):
@@ -143,7 +135,7 @@ def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all,
 
 @pytest.mark.slow
 def test_a_deleted_file_of_a_finished_block_reruns_the_block(reduced_all, tmp_path):
-    workdir = _blocks_workdir(reduced_all, tmp_path, 2)
+    workdir = blocks_workdir(reduced_all, tmp_path, 2)
     assert snakemake(workdir, "--cores", "2", "all", timeout=1200).returncode == 0
     run = workdir / "results/all/jagg/seed-0"
     scores = run / "round-0000/scores"

@@ -3,6 +3,7 @@ docs/cluster.md says (`make slurm-profile`), against the one-node cluster that `
 brings up (.ci/run does). Without a cluster these tests skip, unless CI=true: then they fail.
 
 - the reduced `all` runs through sbatch to completion and its outputs equal the local run's;
+- its rounds as blocks (workflow.rounds_per_job 2): one allocation per run, the same outputs;
 - a job that fails under SLURM is reported failed and snakemake exits non-zero, in bounded time;
 - `scancel` of a running training job, then a rerun: the checkpoint of an uninterrupted run.
 
@@ -20,7 +21,15 @@ from pathlib import Path
 
 import pytest
 from train_helpers import assert_same_checkpoint
-from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, comparable_outputs, write_config
+from workflow_helpers import (
+    REDUCED,
+    ROOT,
+    SNAKEMAKE,
+    blocks_workdir,
+    comparable_outputs,
+    without_blocks,
+    write_config,
+)
 
 CI = os.environ.get("CI", "").lower() == "true"
 # The profile waits 20 s before the first status check (polite on a shared cluster); the plugin
@@ -133,6 +142,24 @@ def test_reduced_all_on_slurm_equals_the_local_run(slurm_env, reduced_all, tmp_p
     assert not kinds & {"rule_track", "rule_compare"}, kinds
     assert (tmp_path / "results/all/tracking/tracked.json").is_file()
     ours, local = comparable_outputs(tmp_path), comparable_outputs(reduced_all)
+    assert ours.keys() == local.keys()
+    assert [name for name in ours if ours[name] != local[name]] == []
+
+
+def test_a_block_of_rounds_on_slurm_equals_the_local_single_rounds(
+    slurm_env, reduced_all, tmp_path
+):
+    """workflow.rounds_per_job 2: each run's two rounds are one sbatch allocation (the block
+    job), and every output equals the local run of single-round jobs."""
+    blocks_workdir(reduced_all, tmp_path, 2)
+    result = on_slurm(tmp_path, slurm_env, "all")
+    assert result.returncode == 0, result.stderr[-4000:]
+    jobs = jobs_in(tmp_path)
+    assert jobs and {job["state"] for job in jobs} == {"COMPLETED"}, jobs
+    kinds = {job["comment"].split("_wildcards")[0] for job in jobs}
+    assert "rule_block" in kinds and not kinds & {"rule_train", "rule_rollout"}, kinds
+    ours = without_blocks(comparable_outputs(tmp_path))
+    local = without_blocks(comparable_outputs(reduced_all))
     assert ours.keys() == local.keys()
     assert [name for name in ours if ours[name] != local[name]] == []
 

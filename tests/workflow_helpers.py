@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,26 @@ def synthetic_run(
         (evaluation / "metrics.json").write_text(json.dumps({"metrics": {"toy": {"mean": value}}}))
         (evaluation / "grid.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     return folder
+
+
+def blocks_workdir(reference: Path, workdir: Path, rounds_per_job: int) -> Path:
+    """The reduced `all` at ``workflow.rounds_per_job``, in ``workdir``, starting from the
+    toy world and prompt pools of ``reference`` (a finished reduced `all`)."""
+    for folder in ("toyworld", "conditioning"):
+        shutil.copytree(reference / "results" / folder, workdir / "results" / folder)
+    data = json.loads(json.dumps(REDUCED))
+    data["workflow"]["rounds_per_job"] = rounds_per_job
+    write_config(workdir, data)
+    return workdir
+
+
+def without_blocks(outputs: dict[str, Any]) -> dict[str, Any]:
+    """:func:`comparable_outputs` as blocks and single rounds share them: no block records
+    and none of the timestamps Snakemake leaves in the folders its rules declare (a block
+    declares only its record and last checkpoint), no comparison page (its own target)."""
+    skipped = ("block.json", "-transient.json", ".snakemake_timestamp")
+    return {
+        k: v
+        for k, v in outputs.items()
+        if not k.endswith(skipped) and not k.startswith("comparison/")
+    }
