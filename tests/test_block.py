@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -238,7 +239,7 @@ def test_a_killed_block_reruns_to_the_bytes_of_an_uninterrupted_one(
 
 def _long_run(workdir: Path, rounds_per_job: int) -> subprocess.CompletedProcess:
     """A dry run of 1000 rounds of one variant and seed, evaluated every 40 rounds."""
-    data = json.loads(json.dumps(REDUCED))
+    data = copy.deepcopy(REDUCED)
     data["workflow"]["rounds_per_job"] = rounds_per_job
     data["workflow"]["keep_every"] = 50
     overrides = {"train": {"rounds": 1000}, "eval": {"every": 40}}

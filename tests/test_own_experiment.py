@@ -7,6 +7,7 @@ evaluation is a target under its name, and a dry run writes nothing.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -164,14 +165,22 @@ def test_a_users_config_file_defines_the_experiment_and_its_targets(tmp_path):
 
 def test_the_workflows_rules_are_the_reserved_names(tmp_path):
     """Every rule of the workflow but the targets is in experiments.WORKFLOW_RULES, which
-    config check and the workflow refuse as target names."""
+    config check and the workflow refuse as target names: the rules of single rounds and
+    those of blocks (workflow.rounds_per_job), which replace rollout, score and train."""
     from jagg_pipeline.workflow.experiments import WORKFLOW_RULES
 
-    write_config(tmp_path, REDUCED)
-    done = snakemake(tmp_path, "--list-rules")
-    assert done.returncode == 0, done.stderr[-3000:]
-    rules = {line.split()[0] for line in done.stdout.splitlines() if line[:1].isalpha()}
-    assert rules - {"all"} == set(WORKFLOW_RULES)
+    rules = {}
+    for rounds_per_job in (1, 2):
+        data = copy.deepcopy(REDUCED)
+        data["workflow"]["rounds_per_job"] = rounds_per_job
+        write_config(tmp_path, data)
+        done = snakemake(tmp_path, "--list-rules")
+        assert done.returncode == 0, done.stderr[-3000:]
+        listed = {line.split()[0] for line in done.stdout.splitlines() if line[:1].isalpha()}
+        rules[rounds_per_job] = listed - {"all"}
+    assert rules[1] | rules[2] == set(WORKFLOW_RULES)
+    single = {"rollout", "rollout_transient", "score", "train", "train_transient"}
+    assert rules[1] - rules[2] == single and rules[2] - rules[1] == {"block", "block_transient"}
 
 
 def test_a_dry_run_writes_nothing(tmp_path, reduced_all):

@@ -7,6 +7,7 @@ local and SLURM workflow tests start from or compare with.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -146,7 +147,7 @@ def blocks_workdir(reference: Path, workdir: Path, rounds_per_job: int) -> Path:
     toy world and prompt pools of ``reference`` (a finished reduced `all`)."""
     for folder in ("toyworld", "conditioning"):
         shutil.copytree(reference / "results" / folder, workdir / "results" / folder)
-    data = json.loads(json.dumps(REDUCED))
+    data = copy.deepcopy(REDUCED)
     data["workflow"]["rounds_per_job"] = rounds_per_job
     write_config(workdir, data)
     return workdir

@@ -360,6 +360,7 @@ def run_block(
     from jagg_pipeline.stages.distributed import barrier, broadcast_object, distributed
     from jagg_pipeline.stages.encode import open_pool
     from jagg_pipeline.stages.evaluate import plan_evaluation
+    from jagg_pipeline.stages.train import warn_world_size
 
     pool = resolve_prompts(prompts, column)
     eval_plan = plan_evaluation(config) if outputs.evaluations else None
@@ -372,6 +373,7 @@ def run_block(
         start, current = broadcast_object(
             resume_point(config, outputs, policy) if ctx.is_main else None
         )
+        warn_world_size(config, ctx)
         if ctx.is_main and start > outputs.first:
             _say(f"block {outputs.first}-{outputs.last}: resuming at round {start} from {current}")
         block = _Block(config, ctx, outputs, current, sources, progress)

@@ -817,18 +817,23 @@ def train_round(
         inputs = {"rollouts": Path(rollouts), "scores": Path(scores)}
         if previous is not None:
             inputs["policy"] = policy_weights_dir(policy)
-        if ctx.is_main and ctx.world_size != config.train.world_size:
-            print(
-                f"warning: running on {ctx.world_size} processes, train.nodes x train.nproc "
-                f"is {config.train.world_size}",
-                file=sys.stderr,
-            )
+        warn_world_size(config, ctx)
         # Build: the sharded policy, optimizer, schedule, EMA.
         trainer = Trainer(config, ctx, policy, previous)
         metrics, routing = trainer.train(data, clock, progress)
         refuse_all_skipped(config, round_index, metrics, scores)
         save_round(trainer, trainer.contents(round_index, routing, metrics), out, policy, inputs)
     return RoundResult(out, round_index, metrics, routing)
+
+
+def warn_world_size(config: Any, ctx: distributed.DistContext) -> None:
+    """Say (rank 0) when the job runs on another number of processes than the config says."""
+    if ctx.is_main and ctx.world_size != config.train.world_size:
+        print(
+            f"warning: running on {ctx.world_size} processes, train.nodes x train.nproc "
+            f"is {config.train.world_size}",
+            file=sys.stderr,
+        )
 
 
 def refuse_all_skipped(
