@@ -107,6 +107,23 @@ def test_the_workflow_plans_blocks_their_evaluations_and_records():
     assert single["all/jagg/seed-0"].blocks == []
 
 
+def test_an_evaluation_of_a_checkpoint_inside_a_block_waits_for_the_block(tmp_path):
+    """A checkpoint a block writes before its last round is no rule's output: an evaluation
+    naming it depends on the block's record."""
+    data = copy.deepcopy(REDUCED)
+    data["workflow"]["rounds_per_job"] = 2
+    checkpoint = "results/all/jagg/seed-0/round-0000/checkpoint"
+    data["workflow"]["evaluations"] = {
+        "inside": {"policies": {"early": {"checkpoint": checkpoint}}, "prompts": {"heldout": {}}}
+    }
+    write_config(tmp_path, data)
+    result = snakemake(tmp_path, "-n", "inside")
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = _job_counts(result.stdout)
+    assert counts["block"] == 1 and counts["evaluate"] == 1, counts
+    assert "results/all/jagg/seed-0/round-0001/block.json" in result.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # The workflow on the toy world
 # --------------------------------------------------------------------------------------------
