@@ -62,11 +62,13 @@ previous block's checkpoint, as round_overhead's train stage does) and reward mo
 amortised over its rounds. Beside the paper's step time and the target (<= 5% of it). Every
 assumption is printed (:data:`ASSUMPTIONS`, :data:`round_overhead.ASSUMPTIONS`).
 
-    python benchmarks/block_overhead.py --out results/bench/block_overhead.json  # ~40 min
-    python benchmarks/block_overhead.py --smoke --out /tmp/block_overhead_smoke.json
+    python benchmarks/block_overhead.py --out results/bench/block_overhead.json  # ~50 min
+    python benchmarks/block_overhead.py --smoke --out /tmp/block_overhead_smoke.json  # ~6 min
     python benchmarks/block_overhead.py --from-json results/bench/block_overhead.json
 
-``--rounds-k1 / --rounds-k4 / --rounds-k25`` set R per mode (0 skips one). Linux only
+``--rounds-k1 / --rounds-k4 / --rounds-k25`` set R per mode (0 skips one; defaults 4, 4, 25).
+At 0.5B on 2 shared cores a round's work is 60-100 s, so K = 25's 25 rounds alone take
+25-40 min (the whole run took 49 min on 2026-12-03); ``--rounds-k1 2`` saves ~5 min. Linux only
 (``/proc``). At 0.5B float32 parameters a checkpoint is ~6 GB; at most two are on disk at once
 (``--workdir``, default a temporary folder, deleted at the end).
 """

@@ -271,7 +271,7 @@ def _job_counts(output: str) -> dict[str, int]:
     counts = {}
     for line in output.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
+        if len(parts) == 2 and parts[1].isdigit() and not parts[0].endswith(":"):
             counts[parts[0]] = int(parts[1])
     return counts
 

@@ -48,7 +48,7 @@ PARTS: tuple[str, ...] = ("import", "load", "work")
 # job's imports 7.2 -> 5.9 s; turning the collector off entirely gave 5.1 s).
 COMMAND_GC_THRESHOLDS = (100_000, 50, 100)
 # The commands that run a stage function, whose imports run with the collector off.
-STAGE_COMMANDS: tuple[str, ...] = ("rollout", "score", "train", "evaluate")
+STAGE_COMMANDS: tuple[str, ...] = ("rollout", "score", "train", "block", "evaluate")
 
 _main_started: float | None = None  # perf_counter() when __main__ began; None: not a command
 _import_claimed = False
