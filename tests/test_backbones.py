@@ -246,10 +246,23 @@ def test_lora_trains_only_adapters_and_round_trips(checkpoints, family, tmp_path
     assert sorted(f.name for f in saved.iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
+        "pytorch_lora_weights.safetensors",
     ]
     weights = load_file(str(saved / "adapter_model.safetensors"))
-    assert weights and all("lora_" in k for k in weights)
+    assert weights and all(k.startswith("base_model.model.") and "lora_" in k for k in weights)
     assert sum(w.numel() for w in weights.values()) < 0.5 * sum(v.numel() for v in base.values())
+    adapted = sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in weights})
+    config = json.loads((saved / "adapter_config.json").read_text())
+    assert config["target_modules"] == adapted  # the layers themselves, never peft's suffixes
+
+    # Where users load adapters: diffusers' load_lora_weights and peft's PeftModel, onto the
+    # base pipeline's transformer, give the trained velocities.
+    for loader in (_diffusers_lora, _peft_lora):
+        plain = load(checkpoints, family)
+        plain.transformer = loader(checkpoints[family][1], saved)
+        velocity = plain.velocity(z, sigma, cond)
+        assert not torch.allclose(velocity, untrained), loader.__name__
+        torch.testing.assert_close(velocity, trained, rtol=1e-5, atol=1e-6)
 
     for training in ("lora", "full"):  # into fresh adapters, or injected into a plain model
         fresh = load(checkpoints, family, training=training, lora=settings)
@@ -257,6 +270,25 @@ def test_lora_trains_only_adapters_and_round_trips(checkpoints, family, tmp_path
         fresh.load_lora(saved)
         assert torch.equal(fresh.velocity(z, sigma, cond), trained)
         assert all("lora_" in n for n, p in fresh.transformer.named_parameters() if p.requires_grad)
+
+
+def _diffusers_lora(checkpoint, adapter):
+    """The checkpoint's transformer with ``adapter`` loaded by the pipeline's load_lora_weights."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(str(checkpoint)).to(torch.float32)
+    pipe.load_lora_weights(str(adapter))
+    return pipe.transformer.eval()
+
+
+def _peft_lora(checkpoint, adapter):
+    """The checkpoint's transformer with ``adapter`` loaded by peft's PeftModel."""
+    from diffusers import DiffusionPipeline
+    from peft import PeftModel
+
+    transformer = DiffusionPipeline.from_pretrained(str(checkpoint)).transformer.to(torch.float32)
+    PeftModel.from_pretrained(transformer, str(adapter))  # injects into transformer in place
+    return transformer.eval()
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -51,6 +51,7 @@ class Backbone(ConditioningMixin, VelocityMixin, LatentsMixin, TrainingMixin, AB
     """
 
     family: ClassVar[str]
+    pipeline_class: ClassVar[str]  # the diffusers pipeline of its checkpoints (LoRA exports)
     text_components: ClassVar[tuple[str, ...]]  # skipped when load_text_encoders is False
     cond_keys: ClassVar[tuple[str, ...]]  # positive conditioning; negatives get NEGATIVE + key
     packed: ClassVar[bool]  # whether latents are 2x2-packed tokens

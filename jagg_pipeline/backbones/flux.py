@@ -31,6 +31,7 @@ class FluxBackbone(Backbone):
     """FluxTransformer2DModel + CLIPTextModel + T5EncoderModel + AutoencoderKL."""
 
     family = "flux"
+    pipeline_class = "FluxPipeline"
     text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     cond_keys = ("prompt_embeds", "pooled_prompt_embeds")
     packed = True

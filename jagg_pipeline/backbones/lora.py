@@ -1,10 +1,22 @@
 """LoRA adapters on a backbone's transformer, through peft: inject, freeze the rest, save, load.
 
 Owns which linear layers receive adapters (the family's target suffixes minus the layers that
-cannot influence the output), and the on-disk format of an adapter: ``adapter_config.json``
-(peft's ``LoraConfig``) and ``adapter_model.safetensors`` (adapter weights only, peft's key
-names without the adapter name), so a saved adapter is small and loads onto a fresh copy of the
-same checkpoint.
+cannot influence the output), and the on-disk format of an adapter, one folder that the
+ecosystem's loaders read as they are:
+
+- ``adapter_config.json``: peft's ``LoraConfig``, ``target_modules`` the full path of every
+  adapted layer (sorted; peft itself would shorten a long list to suffixes that fit only a
+  model of the same depth);
+- ``adapter_model.safetensors``: the adapter weights in peft's format (keys
+  ``base_model.model.<layer>.lora_{A,B}.weight``), what ``PeftModel.from_pretrained(transformer,
+  folder)`` reads;
+- ``pytorch_lora_weights.safetensors``: the same weights in diffusers' format (keys
+  ``transformer.<layer>...``, the config in its header so that the scale ``lora_alpha / r``
+  survives), written by the pipeline class's own ``save_lora_weights``: what
+  ``pipe.load_lora_weights(folder)`` reads.
+
+The adapter is small (no base weights) and loads onto a fresh copy of the same checkpoint,
+here too (:func:`load_lora`).
 """
 
 from __future__ import annotations
@@ -21,6 +33,9 @@ from jagg_pipeline.config.run import LoraConfig  # the config type (torch-free);
 ADAPTER_NAME = "default"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+# peft's prefix of a PeftModel's keys: the wrapped model is its base_model.model.
+PEFT_PREFIX = "base_model.model."
 
 __all__ = ["LoraConfig", "add_lora", "has_lora", "load_lora", "save_lora", "target_modules"]
 
@@ -66,6 +81,9 @@ def add_lora(module: nn.Module, settings: LoraConfig, targets: Sequence[str]) ->
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(settings.seed)
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    # peft rewrites a list of 20 or more targets into its shortest suffixes ("proj", "net.2"),
+    # which match only a model of this depth; the saved config names the layers themselves.
+    module.peft_config[ADAPTER_NAME].target_modules = set(targets)
     for name, param in module.named_parameters():
         param.requires_grad_("lora_" in name)
 
@@ -97,17 +115,30 @@ def save_adapter_config(module: nn.Module, directory: str | Path) -> Path:
     return path
 
 
-def save_lora(module: nn.Module, directory: str | Path) -> Path:
-    """Write the adapter config and weights (not the base model) into ``directory``."""
+def save_lora(module: nn.Module, directory: str | Path, pipeline: str | None = None) -> Path:
+    """Write the adapter config and weights (not the base model) into ``directory``.
+
+    ``pipeline``: the diffusers pipeline class of the checkpoint (``FluxPipeline``, ...),
+    whose ``save_lora_weights`` writes the diffusers-format file (None: no such file).
+    """
     from safetensors.torch import save_file
 
     if not has_lora(module):
         raise ValueError("this backbone has no LoRA adapters to save (training mode is not 'lora')")
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    save_adapter_config(module, target)
+    config = save_adapter_config(module, target)
     weights = {k: v.detach().contiguous().cpu() for k, v in lora_state_dict(module).items()}
-    save_file(weights, str(target / WEIGHTS_FILE))
+    save_file({PEFT_PREFIX + k: v for k, v in weights.items()}, str(target / WEIGHTS_FILE))
+    if pipeline is not None:
+        import diffusers
+
+        getattr(diffusers, pipeline).save_lora_weights(
+            str(target),
+            transformer_lora_layers=weights,
+            transformer_lora_adapter_metadata=json.loads(config.read_text()),
+            weight_name=DIFFUSERS_FILE,
+        )
     return target
 
 
@@ -139,9 +170,11 @@ def load_lora(module: nn.Module, directory: str | Path) -> None:
     else:
         module.requires_grad_(False)
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
-    result = set_peft_model_state_dict(
-        module, load_file(str(source / WEIGHTS_FILE)), adapter_name=ADAPTER_NAME
-    )
+    # Keys with peft's prefix (written since the export loads in PeftModel) or without it.
+    weights = {
+        k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(source / WEIGHTS_FILE)).items()
+    }
+    result = set_peft_model_state_dict(module, weights, adapter_name=ADAPTER_NAME)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise ValueError(
@@ -153,5 +186,9 @@ def load_lora(module: nn.Module, directory: str | Path) -> None:
 
 
 def _layout(config) -> tuple:
-    """What must agree for saved adapter weights to fit injected adapters."""
-    return (config.r, config.lora_alpha, sorted(config.target_modules))
+    """What must agree for saved adapter weights to fit injected adapters.
+
+    The layers are checked by the weights' names: a config written by peft may name them by
+    suffixes.
+    """
+    return (config.r, config.lora_alpha)

@@ -38,6 +38,7 @@ class QwenImageBackbone(Backbone):
     """QwenImageTransformer2DModel + Qwen2.5-VL text encoder + AutoencoderKLQwenImage."""
 
     family = "qwenimage"
+    pipeline_class = "QwenImagePipeline"
     text_components = ("text_encoder", "tokenizer")
     cond_keys = ("prompt_embeds", "prompt_embeds_mask")
     packed = True

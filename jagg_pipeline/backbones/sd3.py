@@ -22,6 +22,7 @@ class SD3Backbone(Backbone):
     """SD3Transformer2DModel + 2 x CLIPTextModelWithProjection + T5EncoderModel + AutoencoderKL."""
 
     family = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
     text_components = (
         "text_encoder",
         "tokenizer",

@@ -111,8 +111,12 @@ class TrainingMixin:
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def save_lora(self, directory: str | Path) -> Path:
-        """Save the LoRA adapters alone (config + safetensors) into ``directory``."""
-        return lora.save_lora(self.transformer, directory)
+        """Save the LoRA adapters alone into ``directory``, for every loader.
+
+        The folder that peft's ``PeftModel.from_pretrained`` and diffusers'
+        ``load_lora_weights`` read (:func:`~jagg_pipeline.backbones.lora.save_lora`).
+        """
+        return lora.save_lora(self.transformer, directory, self.pipeline_class)
 
     def load_lora(self, directory: str | Path) -> None:
         """Load adapters saved by :meth:`save_lora` (into this backbone's adapters, if any)."""

@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             format other tools load. backbone.training: full gives a diffusers pipeline
             folder (the base checkpoint's components, the trained transformer/ in its
             place), usable as backbone.path or with DiffusionPipeline.from_pretrained;
-            lora gives a peft adapter folder (adapter_config.json,
-            adapter_model.safetensors) for the base model. Needs host memory for the whole
+            lora gives an adapter folder for the base model that both
+            pipe.load_lora_weights(DIR) and peft's PeftModel.from_pretrained(transformer, DIR)
+            read (adapter_config.json, adapter_model.safetensors,
+            pytorch_lora_weights.safetensors). Needs host memory for the whole
             model once; the training checkpoints themselves stay sharded."""
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -231,8 +231,9 @@ def save_policy(backbone: Backbone, directory: str | Path) -> Path:
 def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Path:
     """Write a checkpoint's policy in a hub format into ``out`` (atomically); returns it.
 
-    LoRA: a peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
-    :meth:`Backbone.load_lora` and peft load onto the base model. Full fine-tuning: a diffusers
+    LoRA: an adapter folder that diffusers' ``pipe.load_lora_weights``, peft's
+    ``PeftModel.from_pretrained`` and :meth:`Backbone.load_lora` load onto the base model
+    (:mod:`jagg_pipeline.backbones.lora`). Full fine-tuning: a diffusers
     pipeline folder, the base checkpoint's with the trained ``transformer/`` in its place,
     loadable as ``backbone.path``. Reads the whole policy into this one process.
     """
