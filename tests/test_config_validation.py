@@ -23,6 +23,11 @@ BAD = {
     "eps zero (zero-std group: NaN)": ("advantage: {eps: 0}", "advantage.eps", "above 0"),
     "adv clip negative": ("advantage: {clip: -1}", "advantage.clip", "above 0"),
     "std mode": ("advantage: {std_mode: batch}", "advantage.std_mode", "not one of"),
+    "unquoted no (YAML: false)": (
+        "backbone: {mixed_precision: no}",
+        "backbone.mixed_precision",
+        "write it in quotes, e.g. 'no'",
+    ),
     "clip range zero": ("grpo: {clip_range: 0}", "grpo.clip_range", "above 0"),
     "clip range negative": ("grpo: {clip_range: -0.1}", "grpo.clip_range", "above 0"),
     "kl beta negative": ("grpo: {kl_beta: -1}", "grpo.kl_beta", "minimum"),

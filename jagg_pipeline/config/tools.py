@@ -117,7 +117,7 @@ def _check(value: Any, annotation: Any, key: str, source: str | None, base: Any 
         if value not in choices:
             raise ConfigError(
                 f"{_where(key, source)}: {shown(value)} is not one of "
-                f"{', '.join(map(repr, choices))}"
+                f"{', '.join(map(repr, choices))}{yaml_boolean_hint(value, choices)}"
             )
         return value
     if origin in (Union, types.UnionType):
@@ -460,7 +460,27 @@ def _schema_message(error: Any) -> str:
     if error.validator == "anyOf" and error.context:
         options = dict.fromkeys(_schema_message(sub) for sub in error.context)
         return f"{shown(error.instance)} fits none of: {'; '.join(options)}"
+    if error.validator == "enum":
+        return error.message + yaml_boolean_hint(error.instance, error.validator_value)
     return error.message
+
+
+# The words YAML 1.1 (PyYAML) reads as booleans when unquoted.
+_YAML_BOOLEANS = {"yes", "no", "on", "off", "true", "false", "y", "n"}
+
+
+def yaml_boolean_hint(value: Any, choices: Sequence[Any]) -> str:
+    """Why a boolean met a choice of words, when a choice is one YAML reads as a boolean.
+
+    ``mixed_precision: no`` unquoted is YAML's false: the hint says to quote the word.
+    """
+    words = [c for c in choices if isinstance(c, str) and c.lower() in _YAML_BOOLEANS]
+    if not isinstance(value, bool) or not words:
+        return ""
+    return (
+        f" (YAML reads an unquoted {'/'.join(words)} as a boolean: write it in quotes, "
+        f"e.g. '{words[0]}')"
+    )
 
 
 def _dotted_path(parts: Sequence[Any]) -> str:
