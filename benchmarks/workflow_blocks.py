@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,12 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(HERE / "Snakefile")]
+# The tests' Snakemake runner and checkpoint comparison (tests/ holds the shared helpers).
+sys.path.insert(0, str(HERE / "tests"))
+from block_helpers import checkpoint_files  # noqa: E402
+from workflow_helpers import job_counts  # noqa: E402
+from workflow_helpers import snakemake as run_snakemake  # noqa: E402
+
 # Jobs that are not rounds or evaluations: built once, or run on the submitting host.
 NOT_COUNTED = {"all", "total", "toyworld_clip", "toyworld_pretrain", "toyworld_backbone"}
 
@@ -43,38 +47,20 @@ def write_config(workdir: Path, rounds_per_job: int) -> None:
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     """The repository's Snakefile in ``workdir`` on two cores; exits on a failure."""
-    result = subprocess.run(
-        [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    result = run_snakemake(workdir, "--cores", "2", *args, timeout=7200)
     if result.returncode:
-        raise SystemExit(
-            f"snakemake {' '.join(args)} failed in {workdir}:\n{result.stderr[-3000:]}"
-        )
+        tail = result.stderr[-3000:]
+        raise SystemExit(f"snakemake {' '.join(args)} failed in {workdir}:\n{tail}")
     return result
-
-
-def job_counts(output: str) -> dict[str, int]:
-    """Snakemake's job stats table (``job  count`` lines) as rule -> jobs."""
-    counts = {}
-    for line in output.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and not parts[0].endswith(":"):
-            counts[parts[0]] = int(parts[1])
-    return counts
 
 
 def final_checkpoints(workdir: Path) -> dict[str, bytes]:
     """Every run's last checkpoint (weights and trainer state), by path."""
-    files = {}
-    for checkpoint in sorted((workdir / "results/all").glob("*/seed-0/round-0003/checkpoint")):
-        for path in sorted(checkpoint.rglob("*")):
-            relative = path.relative_to(checkpoint)
-            if path.is_file() and relative.parts[0] in ("policy", "trainer"):
-                files[str(path.relative_to(workdir))] = path.read_bytes()
-    return files
+    return {
+        f"{checkpoint.relative_to(workdir)}/{name}": data
+        for checkpoint in sorted((workdir / "results/all").glob("*/seed-0/round-0003/checkpoint"))
+        for name, data in checkpoint_files(checkpoint).items()
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jagg_pipeline.io.artifacts import ROUND_STAGES, evaluation_name, round_name, round_record
+from jagg_pipeline.io.artifacts import ROUND_STAGES, round_name, round_record
 
 # Metric fields that measure time, which no two runs share.
 TIMING = ("time.", "seconds")
@@ -31,23 +31,20 @@ def block_outputs(
 ):
     """The outputs of the block ``first..last`` in ``workdir``, as ``block`` lays them out.
 
-    Its last checkpoint goes to round-<last>/checkpoint.
+    Its last checkpoint goes to round-<last>/checkpoint, its record beside it.
     """
-    from jagg_pipeline.stages.block import BlockOutputs, RoundOutputs
+    from jagg_pipeline.cli.block import block_outputs as layout
 
-    rounds = {}
-    for r in range(first, last + 1):
-        folder = workdir / round_name(r)
-        checkpoint = folder / "checkpoint" if r in keep or r == last else None
-        rounds[r] = RoundOutputs(
-            folder=folder,
-            scores=folder / "scores",
-            rollout=folder / "rollout" if r in keep else None,
-            checkpoint=checkpoint,
-            policy_name=str(folder / "checkpoint"),
-        )
-    evaluations = {n: workdir / "eval" / evaluation_name(n) for n in evaluate}
-    return BlockOutputs(rounds, evaluations, workdir / round_name(last) / "block.json")
+    folder = workdir / round_name(last)
+    return layout(
+        workdir,
+        first,
+        last,
+        keep=sorted(keep),
+        evaluate=evaluate,
+        checkpoint=folder / "checkpoint",
+        record=folder / "block.json",
+    )
 
 
 def encode_pool(config: Any, workdir: Path) -> Path:

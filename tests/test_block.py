@@ -32,6 +32,7 @@ from workflow_helpers import (
     REDUCED,
     blocks_workdir,
     comparable_outputs,
+    job_counts,
     snakemake,
     without_blocks,
     write_config,
@@ -119,7 +120,7 @@ def test_an_evaluation_of_a_checkpoint_inside_a_block_waits_for_the_block(tmp_pa
     write_config(tmp_path, data)
     result = snakemake(tmp_path, "-n", "inside")
     assert result.returncode == 0, result.stderr[-3000:]
-    counts = _job_counts(result.stdout)
+    counts = job_counts(result.stdout)
     assert counts["block"] == 1 and counts["evaluate"] == 1, counts
     assert "results/all/jagg/seed-0/round-0001/block.json" in result.stdout
 
@@ -267,15 +268,6 @@ def _long_run(workdir: Path, rounds_per_job: int) -> subprocess.CompletedProcess
     return snakemake(workdir, "-n", "--quiet", "rules", "all", timeout=900)
 
 
-def _job_counts(output: str) -> dict[str, int]:
-    counts = {}
-    for line in output.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and not parts[0].endswith(":"):
-            counts[parts[0]] = int(parts[1])
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("rounds_per_job", "rule", "jobs"), [(25, "block", 40), (1, "train", 1000)]
@@ -284,7 +276,7 @@ def test_a_thousand_round_run_builds_its_dag(tmp_path, rounds_per_job, rule, job
     started = time.monotonic()
     result = _long_run(tmp_path, rounds_per_job)
     assert result.returncode == 0, result.stderr[-3000:]
-    counts = _job_counts(result.stdout + result.stderr)
+    counts = job_counts(result.stdout + result.stderr)
     assert counts.get(rule, 0) + counts.get(f"{rule}_transient", 0) == jobs, counts
     print(f"1000 rounds at K={rounds_per_job}: dry run {time.monotonic() - started:.1f} s")
 

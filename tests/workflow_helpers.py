@@ -163,3 +163,13 @@ def without_blocks(outputs: dict[str, Any]) -> dict[str, Any]:
         for k, v in outputs.items()
         if not k.endswith(skipped) and not k.startswith("comparison/")
     }
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's job stats table (``job  count`` lines) as rule -> jobs."""
+    counts = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and not parts[0].endswith(":"):
+            counts[parts[0]] = int(parts[1])
+    return counts

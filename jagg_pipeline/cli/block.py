@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,35 +102,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def block_outputs(args: argparse.Namespace) -> BlockOutputs:
+def block_outputs(
+    run_dir: Path,
+    first: int,
+    last: int,
+    *,
+    keep: Sequence[int] = (),
+    evaluate: Sequence[int] = (),
+    checkpoint: Path,
+    record: Path,
+) -> BlockOutputs:
     """The paths of a block's outputs in its run folder (see the module docstring)."""
     from jagg_pipeline.io.artifacts import evaluation_name, round_name
     from jagg_pipeline.stages.block import BlockOutputs, RoundOutputs
 
-    first, last = args.rounds
     if not 0 <= first <= last:
         raise SystemExit(f"error: --rounds {first} {last}: need 0 <= FIRST <= LAST")
-    outside = [n for n in args.evaluate if not first <= n <= last + 1]
+    outside = [n for n in evaluate if not first <= n <= last + 1]
     if outside:
         raise SystemExit(
             f"error: --evaluate {outside}: a block evaluates after {first}..{last + 1} rounds"
         )
     rounds = {}
     for round_index in range(first, last + 1):
-        folder = args.run_dir / round_name(round_index)
-        kept = round_index in args.keep
-        checkpoint = folder / "checkpoint" if kept else None
+        folder = run_dir / round_name(round_index)
+        kept = round_index in keep
+        written = folder / "checkpoint" if kept else None
         if round_index == last:
-            checkpoint = args.checkpoint
+            written = checkpoint
         rounds[round_index] = RoundOutputs(
             folder=folder,
             scores=folder / "scores",
             rollout=folder / "rollout" if kept else None,
-            checkpoint=checkpoint,
-            policy_name=str(checkpoint or folder / "checkpoint (in memory)"),
+            checkpoint=written,
+            policy_name=str(written or folder / "checkpoint (in memory)"),
         )
-    evaluations = {n: args.run_dir / "eval" / evaluation_name(n) for n in sorted(args.evaluate)}
-    return BlockOutputs(rounds, evaluations, args.record)
+    evaluations = {n: run_dir / "eval" / evaluation_name(n) for n in sorted(evaluate)}
+    return BlockOutputs(rounds, evaluations, record)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,7 +146,16 @@ def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.stages.checkpoint import NonFiniteError
 
     config = load_stage_config(args.config, args.overrides)
-    outputs = block_outputs(args)
+    first, last = args.rounds
+    outputs = block_outputs(
+        args.run_dir,
+        first,
+        last,
+        keep=args.keep,
+        evaluate=args.evaluate,
+        checkpoint=args.checkpoint,
+        record=args.record,
+    )
     with stage_errors():
         try:
             run_block(

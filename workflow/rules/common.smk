@@ -15,6 +15,7 @@ from jagg_pipeline.io.artifacts import (
     EVALUATION_PREFIX,
     ROUND_PREFIX,
     ROUND_RECORDS,
+    ROUND_STAGES,
     atomic_write_text,
     evaluation_name,
     round_name,
@@ -753,7 +754,7 @@ def encode_gpus(wildcards):
 # the single-round jobs; Snakemake knows its record and its last checkpoint.
 BLOCK_RECORD = "block.json"
 BLOCK_TRANSIENT_RECORD = "block-transient.json"
-BLOCK_STAGES = ("rollout", "score", "train", "evaluate")
+BLOCK_STAGES = (*ROUND_STAGES, "evaluate")
 
 
 def block_record(run, block):
@@ -772,9 +773,7 @@ def block_files(run, block):
     for round_index in block:
         folder = round_folder(run, round_index)
         files += [f"{folder}/scores"]
-        files += [
-            f"{folder}/{ROUND_RECORDS}/{stage}.jsonl" for stage in BLOCK_STAGES[:3]
-        ]
+        files += [f"{folder}/{ROUND_RECORDS}/{stage}.jsonl" for stage in ROUND_STAGES]
         if kept_round(run, round_index):
             files += [rollout_dir(run, round_index), checkpoint_dir(run, round_index)]
     files += [
@@ -854,7 +853,6 @@ def block_evaluations(wildcards):
 
 def block_conditioning_arguments(wildcards):
     """--conditioning and --eval-conditioning of a block job (as a list; none: inline)."""
-    run, block = block_of(wildcards)
     inputs = block_inputs(wildcards)
     arguments = []
     for key, flag in (
@@ -869,7 +867,7 @@ def block_conditioning_arguments(wildcards):
 def block_digest(wildcards):
     """The digests of what the block's stages read (an edit of any reruns the block)."""
     run, block = block_of(wildcards)
-    stages = BLOCK_STAGES if run.block_evaluations(block) else BLOCK_STAGES[:3]
+    stages = BLOCK_STAGES if run.block_evaluations(block) else ROUND_STAGES
     return digest([stage_digest(run.config, stage) for stage in stages])
 
 
