@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 # The default experiment (config.yaml, target `all`) through the Snakemake workflow: the toy
-# world build, rounds of rollout -> score -> train per variant, evaluations, the comparison.
+# world build, rounds of rollout -> score -> train per variant, evaluations, the comparison
+# page (every experiment target ends with it).
 run: $(STAMP)
-	$(BIN)/snakemake --profile workflow/profiles/local all comparison
-	$(BIN)/snakemake --profile workflow/profiles/local all comparison --report $(RESULTS)/report.html
+	$(BIN)/snakemake --profile workflow/profiles/local all
+	$(BIN)/snakemake --profile workflow/profiles/local all --report $(RESULTS)/report.html
 	@echo "results:    $(RESULTS)/all/<variant>/seed-<s>/ (round-*/, eval/trained-*/)"
 	@echo "comparison: $(RESULTS)/comparison/all/index.html (read back from MLflow)"
 	@echo "report:     $(RESULTS)/report.html (Snakemake's report: open it in a browser)"

@@ -28,6 +28,7 @@ from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
 )
 
 from jagg_pipeline.bench.gradcheck import GradcheckConfig, run_gradcheck
+from jagg_pipeline.config.run import lr_factor
 from jagg_pipeline.io.artifacts import staging_path
 from jagg_pipeline.io.manifest import ManifestError
 from jagg_pipeline.io.tables import read_table
@@ -35,7 +36,6 @@ from jagg_pipeline.stages import checkpoint as ckpt
 from jagg_pipeline.stages import distributed
 from jagg_pipeline.stages.checkpoint import NonFiniteError, read_trainer_state
 from jagg_pipeline.stages.loop import run_rounds
-from jagg_pipeline.stages.optim import lr_factor
 from jagg_pipeline.stages.scoring import table_path
 from jagg_pipeline.stages.train import (
     Routing,

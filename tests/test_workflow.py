@@ -7,6 +7,7 @@ rounds) and runs in a temporary directory with the repository's Snakefile.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -20,9 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 from train_helpers import assert_same_checkpoint
-from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, snakemake, write_config
+from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, job_counts, snakemake, write_config
 
-from jagg_pipeline.workflow.experiments import resolve_runs, stage_digest, workflow_schema
+from jagg_pipeline.io.manifest import stage_digest
+from jagg_pipeline.workflow.experiments import resolve_runs, workflow_schema
 
 TARGETS = (
     "all",
@@ -81,25 +83,80 @@ def test_every_named_target_dry_runs(tmp_path):
         assert f"results/sweep_jagg_frac/jagg_frac-{value}/seed-0/round-0009/checkpoint" in sweep
 
 
+def test_an_experiment_target_ends_with_its_comparison_page(tmp_path):
+    """`snakemake NAME` of the user's own experiment makes results/comparison/NAME/."""
+    data = copy.deepcopy(REDUCED)
+    data["workflow"]["experiments"] = {"mine": data["workflow"]["experiments"].pop("all")}
+    data["workflow"]["comparison"] = ["mine"]
+    write_config(tmp_path, data)
+    plan = snakemake(tmp_path, "mine", "--dry-run", timeout=120)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "results/comparison/mine/index.html" in plan.stdout
+    assert {"track": 1, "compare": 1}.items() <= job_counts(plan.stdout).items()
+
+
+STAGES = ("rollout", "score", "train", "evaluate")
+
+
+def _changed_stages(edit: dict, base: dict | None = None, round_index: int = 0) -> set[str]:
+    """The stages of REDUCED's jagg run whose rerun digest an edit of its config changes
+    (of its base sections; ``train.rounds`` is the experiment's override)."""
+
+    def config(sections: dict):
+        data = copy.deepcopy({**REDUCED, **sections})
+        rounds = data.get("train", {}).pop("rounds", 2)
+        data["workflow"]["experiments"]["all"]["overrides"]["train"]["rounds"] = rounds
+        return resolve_runs(data)["all/jagg/seed-0"].config
+
+    before, after = config(base or {}), config({**(base or {}), **edit})
+    return {
+        stage
+        for stage in STAGES
+        if stage_digest(before, stage, round_index) != stage_digest(after, stage, round_index)
+    }
+
+
 def test_stage_digests_cover_exactly_what_each_stage_reads():
-    data = {**REDUCED, "workflow": REDUCED["workflow"]}
-    runs = resolve_runs(data)
-    config = runs["all/jagg/seed-0"].config
-    edited = resolve_runs(
-        {**data, "jagg": {"jagg_frac": 0.5}, "eval": {**REDUCED["eval"], "num_steps": 8}}
-    )["all/jagg/seed-0"].config
-    changed = {
-        s
-        for s in ("rollout", "score", "train", "evaluate")
-        if stage_digest(config, s) != stage_digest(edited, s)
-    }
+    eval_steps = {"eval": {**REDUCED["eval"], "num_steps": 8}}
     # jagg_frac decides which windows are approximated, hence which velocities a rollout stores.
-    assert changed == {"rollout", "train", "evaluate"}
-    frozen = resolve_runs({**data, "grpo": {"clip_range": 1e-3}})["all/jagg/seed-0"].config
-    changed = {
-        s for s in ("rollout", "score") if stage_digest(config, s) != stage_digest(frozen, s)
+    assert _changed_stages({"jagg": {"jagg_frac": 0.5}, **eval_steps}) == {
+        "rollout",
+        "train",
+        "evaluate",
     }
-    assert not changed  # the objective's settings reach training only
+    # The objective's settings reach training only.
+    assert _changed_stages({"grpo": {"clip_range": 1e-3}}) == {"train"}
+    # A reward model that neither rewards.weights nor eval.metrics names is read by nobody...
+    unused = {"pickscore": {"model": "elsewhere/pickscore"}, "clipscore": {"batch_size": 3}}
+    assert _changed_stages({"rewards": {"weights": {"toy_attributes": 1.0}, **unused}}) == set()
+    # ... one that eval.metrics names by evaluation only, one that rewards.weights names by the
+    # score and train stages.
+    metric = {"eval": {**REDUCED["eval"], "metrics": ["toy_attributes", "clipscore"]}}
+    assert _changed_stages({"rewards": unused}, base=metric) == {"evaluate"}
+    weighted = {"rewards": {"weights": {"toy_attributes": 1.0, "clipscore": 0.5}}}
+    assert _changed_stages({"rewards": {**weighted["rewards"], **unused}}, weighted) == {
+        "score",
+        "train",
+    }
+    # Where and how often nothing changes what a job computes.
+    two_batches = {"sampler": {**REDUCED["sampler"], "batch_size": 4}}
+    assert _changed_stages({"train": {"nproc": 2}}, two_batches) == set()
+    assert _changed_stages({"eval": {**REDUCED["eval"], "every": 1}}) == set()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_a_rounds_training_digest_reads_its_own_learning_rates(schedule):
+    """More rounds leave a round's training digest alone unless they move its learning rates
+    (a decaying schedule spreads over all rounds: every round's rates move)."""
+    base = {
+        "sampler": {**REDUCED["sampler"], "batch_size": 4},
+        "train": {"rounds": 2, "lr_schedule": schedule, "minibatches": 2},
+    }
+    longer = {"train": {**base["train"], "rounds": 3}}
+    moved = {r for r in (0, 1) if "train" in _changed_stages(longer, base, round_index=r)}
+    assert moved == (set() if schedule == "constant" else {0, 1})
+    assert _changed_stages(longer, base, round_index=1) <= {"train"}
+    assert "train" in _changed_stages({"train": {**base["train"], "lr": 1e-3}}, base)
 
 
 def _commands(plan: str, stage: str) -> list[str]:

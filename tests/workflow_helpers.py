@@ -156,7 +156,7 @@ def blocks_workdir(reference: Path, workdir: Path, rounds_per_job: int) -> Path:
 def without_blocks(outputs: dict[str, Any]) -> dict[str, Any]:
     """:func:`comparable_outputs` as blocks and single rounds share them: no block records
     and none of the timestamps Snakemake leaves in the folders its rules declare (a block
-    declares only its record and last checkpoint), no comparison page (its own target)."""
+    declares only its record and last checkpoint), no comparison page (it shows timings)."""
     skipped = ("block.json", "-transient.json", ".snakemake_timestamp")
     return {
         k: v

@@ -505,6 +505,20 @@ class JaggConfig:
         }
 
 
+def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
+    """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.lr_schedule must be constant, linear or cosine, got {kind!r}")
+
+
 @dataclass
 class TrainConfig:
     """The optimiser and the round loop."""
@@ -556,6 +570,19 @@ class TrainConfig:
     def world_size(self) -> int:
         """Training processes in all: ``nodes`` x ``nproc``."""
         return self.nodes * self.nproc
+
+    def round_lrs(self, round_index: int) -> list[float]:
+        """The learning rate of each optimizer step of round ``round_index`` (:func:`lr_factor`).
+
+        What a round's training reads of the schedule: under a constant one the same whatever
+        ``rounds`` is, so a run extended by more rounds keeps the rounds it trained.
+        """
+        steps = range(round_index * self.minibatches, (round_index + 1) * self.minibatches)
+        total = self.rounds * self.minibatches
+        return [
+            self.lr * lr_factor(step, total=total, warmup=self.warmup_steps, kind=self.lr_schedule)
+            for step in steps
+        ]
 
 
 @dataclass

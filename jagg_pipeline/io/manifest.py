@@ -50,9 +50,10 @@ from jagg_pipeline.support.errors import InputError
 
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.yaml"
-# The config sections (or dotted keys) each stage reads: the workflow's rules pass their
-# digests as params (experiments.stage_digest). Rollouts also depend on the policy they sample
-# from, a file input of the rule.
+# The config sections (or dotted keys) each stage reads, narrowed by stage_values: the
+# workflow's rules pass their digests as params (stage_digest), so a job reruns when a value it
+# reads changes and only then. Rollouts also depend on the policy they sample from, a file
+# input of the rule.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     # The jagg keys decide which velocities a rollout stores (rollout.velocity_steps).
     "rollout": (
@@ -66,8 +67,11 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
         "jagg.no_interp",
         "jagg.reuse_velocities",
     ),
+    # Of `rewards`, the models rewards.weights names (_rewards_read).
     "score": ("rewards", "advantage"),
+    # Of the schedule, the learning rates of the round's own steps (TrainConfig.round_lrs).
     "train": ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train"),
+    # Of `rewards`, the models eval.metrics names.
     "evaluate": ("backbone", "sampler.batch_size", "eval", "rewards"),
     # A prompt pool's conditioning: the text encoders' checkpoint, dtype and token cap, and
     # the negative prompt of CFG (io.conditioning.text_keys).
@@ -81,19 +85,83 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
         "backbone.cfg_scale",
     ),
 }
-# What a consumer checks of a stage's output against its own config (check_input): the whole
-# sections the stage reads (a manifest records sections, not dotted keys); of a checkpoint only
-# the backbone its weights fit, since evaluations compare policies trained under other sections.
+# Keys no stage's result depends on: where training runs (a checkpoint resumes on any world
+# size), how often evaluations run, and the schedule, of which the train stage reads its
+# round's learning rates instead. Left out of stage_values, so changing them reruns nothing.
+UNREAD_KEYS: tuple[str, ...] = (
+    "train.nodes",
+    "train.nproc",
+    "train.rounds",
+    "train.lr",
+    "train.lr_schedule",
+    "train.warmup_steps",
+    "eval.every",
+)
+# In CHECKED_SECTIONS: compare everything the producing stage read (its stage_values, as
+# the manifest's "reads" digest) instead of whole sections.
+READS = "reads"
+# What a consumer checks of a stage's output against its own config (check_input): of a
+# rollout the whole sections it reads (a manifest records sections, not dotted keys); of a
+# score table everything the score stage read (the rewards it ran, not the others); of a
+# checkpoint only the backbone its weights fit, since evaluations compare policies trained
+# under other sections.
 CHECKED_SECTIONS: dict[str, tuple[str, ...]] = {
-    **{
-        stage: tuple(s for s in STAGE_SECTIONS[stage] if "." not in s)
-        for stage in ("rollout", "score")
-    },
+    "rollout": tuple(s for s in STAGE_SECTIONS["rollout"] if "." not in s),
+    "score": (READS,),
     "train": ("backbone",),
     # Its text keys one by one (io.conditioning.open_conditioning): a section would refuse a
     # pool for a key the text encoders never read (backbone.device, training, ...).
     "encode": (),
 }
+
+
+def _select(data: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def _rewards_read(config: Any, stage: str) -> dict[str, Any]:
+    """What ``stage`` reads of the rewards section: the device and the models it runs."""
+    rewards = config.rewards
+    if stage == "evaluate":
+        names, options = list(config.eval.metrics), {}
+    else:
+        names = list(rewards.weights)
+        options = {"weights": rewards.weights, "normalize_separately": rewards.normalize_separately}
+    return {"device": rewards.device, **options, **{n: to_dict(rewards.spec(n)) for n in names}}
+
+
+def stage_values(config: Any, stage: str, round_index: int | None = None) -> dict[str, Any]:
+    """The values ``stage`` reads of a run config (:data:`STAGE_SECTIONS`), as data.
+
+    Keyed by section or dotted key, without :data:`UNREAD_KEYS`; ``rewards`` as the models the
+    stage runs; the train stage's with ``train.round_lrs``, the learning rates of round
+    ``round_index``'s optimizer steps (required for it).
+    """
+    data = to_dict(config)
+    values = {key: _select(data, key) for key in STAGE_SECTIONS[stage]}
+    for dotted in UNREAD_KEYS:
+        section, key = dotted.split(".")
+        if isinstance(values.get(section), dict):
+            values[section] = {k: v for k, v in values[section].items() if k != key}
+    if "rewards" in values:
+        values["rewards"] = _rewards_read(config, stage)
+    if stage == "train":
+        if round_index is None:
+            raise ValueError("stage_values: the train stage's values need the round index")
+        values["train.round_lrs"] = config.train.round_lrs(round_index)
+    return values
+
+
+def stage_digest(config: Any, stage: str, round_index: int | None = None) -> str:
+    """Digest of exactly the values ``stage`` reads (:func:`stage_values`)."""
+    return digest(stage_values(config, stage, round_index))
+
+
+def read_digests(config: Any, stage: str, round_index: int | None = None) -> dict[str, str]:
+    """Digest of each value ``stage`` reads (:func:`stage_values`), by section or key."""
+    return {key: digest(value) for key, value in stage_values(config, stage, round_index).items()}
 
 
 class ManifestError(InputError):
@@ -347,6 +415,17 @@ def section_digests(config: Any) -> dict[str, str]:
     return {f.name: digest(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
+def _reads_entry(stage: str, config: Any, seeds: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's ``{"reads": {key: digest}}`` (:func:`read_digests`).
+
+    For a stage of :data:`STAGE_SECTIONS`; a training round's from its ``round`` seed (weights
+    saved outside a round have none: nothing consumes them as a round's output).
+    """
+    if stage not in STAGE_SECTIONS or (stage == "train" and "round" not in seeds):
+        return {}
+    return {READS: read_digests(config, stage, seeds.get("round"))}
+
+
 def write_manifest(
     output: str | Path,
     *,
@@ -370,6 +449,7 @@ def write_manifest(
         "digest_algorithm": DIGEST_ALGORITHM,
         "config_digest": digest(config),
         "sections": section_digests(config),
+        **_reads_entry(stage, config, seeds or {}),
         "seeds": dict(seeds or {}),
         "inputs": {
             name: {"path": str(path), "digest": digest_path(path, DIGEST_ALGORITHM)}
@@ -400,6 +480,9 @@ def check_made(
 ) -> dict[str, Any]:
     """The manifest of ``path``, refused unless a ``stage`` output made under ``sections``.
 
+    ``sections``: config sections compared whole, or :data:`READS` alone: every value the
+    stage that made ``path`` read (its manifest's ``reads``, :func:`read_digests`).
+
     Nothing is hashed: a consumer verifies the files it reads (:func:`verify_files`,
     :mod:`jagg_pipeline.io.verify` once per node).
     """
@@ -409,7 +492,13 @@ def check_made(
         raise ManifestError(
             f"{path}: is a {manifest.get('stage')!r} output, expected {' or '.join(sorted(stages))}"
         )
-    ours, theirs = section_digests(config), manifest.get("sections", {})
+    if READS in sections:
+        # A manifest written before "reads" was recorded differs in every value.
+        made = manifest.get("stage")
+        ours = read_digests(config, made, manifest.get("seeds", {}).get("round"))
+        theirs, sections = manifest.get(READS, {}), list(ours)
+    else:
+        ours, theirs = section_digests(config), manifest.get("sections", {})
     differing = [s for s in sections if theirs.get(s) != ours[s]]
     if differing:
         raise ManifestError(

@@ -43,13 +43,11 @@ from jagg_pipeline.io.artifacts import (
     policy_weights_dir,
     write_round_record,
 )
-from jagg_pipeline.io.manifest import ManifestError, check_made, stage_inputs
+from jagg_pipeline.io.manifest import READS, ManifestError, check_made, stage_inputs
 from jagg_pipeline.io.trajectories import TrajectoryBatch, concatenate
 from jagg_pipeline.support.startup import StageClock
 
 STAGE = "block"
-# What a block's resumption checks of an output it kept: every section a round reads.
-_SECTIONS = ("backbone", "sampler", "advantage", "grpo", "jagg", "rewards", "train", "eval")
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,9 @@ def _complete(path: Path | None, stage: str, config: Any) -> bool:
     if path is None:
         return True
     try:
-        check_made(path, stage=stage, config=config, sections=_SECTIONS)
+        # Everything the stage that made it read: a block of an extended run resumes after
+        # the rounds it trained before.
+        check_made(path, stage=stage, config=config, sections=(READS,))
     except (ManifestError, OSError):
         return False
     return True

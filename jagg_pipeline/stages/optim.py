@@ -1,32 +1,20 @@
 """The optimizer side of training: AdamW, the learning-rate schedule, the EMA of the weights.
 
 The schedule spans ``train.rounds * train.minibatches`` optimizer steps: the round count has
-one source, the config. Its shape (``lr_schedule``, ``warmup_steps``) comes from the config
-too, its position from the checkpoint. Knows nothing of rollouts or GRPO.
+one source, the config. Its shape (``lr_schedule``, ``warmup_steps``:
+:func:`~jagg_pipeline.config.run.lr_factor`) comes from the config too, its position from the
+checkpoint. Knows nothing of rollouts or GRPO.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-
-def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:
-    """Multiplier of ``train.lr`` at optimizer step ``step`` (linear warm-up, then decay)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == "constant":
-        return 1.0
-    if kind == "linear":
-        return 1.0 - progress
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"train.lr_schedule must be constant, linear or cosine, got {kind!r}")
+from jagg_pipeline.config.run import lr_factor
 
 
 class Ema:

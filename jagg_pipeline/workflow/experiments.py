@@ -39,10 +39,9 @@ from jagg_pipeline.config.tools import (
     field,
     from_dict,
     json_schema,
-    to_dict,
 )
 from jagg_pipeline.io.artifacts import evaluated_rounds
-from jagg_pipeline.io.manifest import STAGE_SECTIONS
+from jagg_pipeline.io.manifest import stage_values
 from jagg_pipeline.io.prompts import PromptFileError, check_prompts
 from jagg_pipeline.support.errors import shown
 
@@ -193,7 +192,9 @@ class WorkflowConfig:
         help="the images the rules run in under --sdm apptainer, per environment family",
     )
     comparison: list[str] = field(
-        default_factory=lambda: ["all"], help="experiments the `comparison` target collects"
+        default_factory=lambda: ["all"],
+        help="experiments the `comparison` target collects (each experiment target makes its "
+        "own page too)",
     )
     keep_every: int | None = field(
         None,
@@ -769,28 +770,12 @@ def dag_recursion_limit(runs: Iterable[Run]) -> int:
     return 1000 + 4 * longest
 
 
-def _select(data: Mapping[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = data[part]
-    return data
-
-
-def stage_values(config: RunConfig, stage: str) -> dict[str, Any]:
-    """The sections (or dotted keys) ``stage`` reads (:data:`STAGE_SECTIONS`), as data."""
-    data = to_dict(config)
-    return {key: _select(data, key) for key in STAGE_SECTIONS[stage]}
-
-
-def stage_digest(config: RunConfig, stage: str) -> str:
-    """Digest of exactly the sections (or keys) ``stage`` reads (:data:`STAGE_SECTIONS`)."""
-    return digest(stage_values(config, stage))
-
-
 def pool_key(config: RunConfig, source: str, column: str | None) -> str:
     """The short stable name of a prompt pool's conditioning (``<results>/conditioning/<key>``).
 
     A digest of the prompt source, its column and the backbone keys the text encoders read
-    (``encode``'s :data:`STAGE_SECTIONS`): runs that agree on all of them share one pool.
+    (``encode``'s :func:`~jagg_pipeline.io.manifest.stage_values`): runs that agree on all of
+    them share one pool.
     """
     text = stage_values(config, "encode")
     return digest({"prompts": source, "column": column, "text": text})[:12]

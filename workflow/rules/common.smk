@@ -2,6 +2,7 @@
 #
 # Every job parses this file again, so it imports only the torch-free part of the package
 # (jagg_pipeline.workflow.experiments, jagg_pipeline.config.run, the toy world's settings).
+import functools
 import os
 import re
 import shlex
@@ -33,9 +34,9 @@ from jagg_pipeline.workflow.experiments import (
     merge,
     resolve_runs,
     split,
-    stage_digest,
     toyworld_inputs,
 )
+from jagg_pipeline.io.manifest import MANIFEST_NAME, stage_digest, stage_values
 from jagg_pipeline.toyworld.config import TOY_FAMILIES
 
 
@@ -144,8 +145,11 @@ def run_config_file(wildcards):
 
 
 def _digest_param(stage):
+    # What the job reads of its run's config (io.manifest.stage_values), as a param: Snakemake
+    # reruns a job whose params changed, so an edit reruns exactly the jobs that read it.
     def digest(wildcards):
-        return stage_digest(run_of(wildcards).config, stage)
+        round_index = int(wildcards.round) if stage == "train" else None
+        return stage_digest(run_of(wildcards).config, stage, round_index)
 
     digest.__name__ = f"{stage}_digest"
     return digest
@@ -191,11 +195,19 @@ def round_folder(run, round_index):
 
 def kept_round(run, round_index):
     """Whether round ``round_index`` of ``run`` keeps its checkpoint and rollout: a kept
-    round of the run (workflow.keep_every), or one an evaluation names."""
+    round of the run (workflow.keep_every), one an evaluation names, or one that a shorter
+    run kept (its last round), so that a longer run continues from it instead of retraining
+    the rounds up to it."""
     if round_index in run.kept_rounds:
         return True
     named = os.path.normpath(f"{round_folder(run, round_index)}/checkpoint")
-    return named in EVALUATED_CHECKPOINTS
+    return named in EVALUATED_CHECKPOINTS or _finished_checkpoint(named)
+
+
+@functools.cache
+def _finished_checkpoint(folder):
+    # Asked once per invocation: the DAG is planned from what was there when it started.
+    return Path(folder, MANIFEST_NAME).is_file()
 
 
 def _stage_folder(run, round_index, stage):
@@ -559,12 +571,13 @@ def _runs(experiment):
 
 
 def target_files(experiment):
-    """What a target that includes ``experiment`` asks for: the experiment tracked, and
-    every file its runs keep (:func:`run_files`, :func:`lost_records`), so that a finished
-    target notices a deleted one. Asking for tracked.json also retries a failed push: it is
-    gone after one (Snakemake removes a failed job's outputs), and the comparison with it.
+    """What a target that includes ``experiment`` asks for: its comparison page (after the
+    push to MLflow it is read back from), and every file its runs keep (:func:`run_files`,
+    :func:`lost_records`), so that a finished target notices a deleted one. The page also
+    retries a failed push: tracked.json is gone after one (Snakemake removes a failed job's
+    outputs), and the comparison with it.
     """
-    files = [f"{RESULTS}/{experiment}/tracking/tracked.json"]
+    files = [f"{RESULTS}/comparison/{experiment}/index.html"]
     for run in _runs(experiment):
         files += run_files(run) + lost_records(run)
         force_lost_blocks(run)
@@ -609,11 +622,7 @@ def tracking_digest(wildcards):
 def comparison_inputs(wildcards):
     """The comparison pages of the experiments named in workflow.comparison, and what they are
     read from (:func:`target_files`: a page is out of date once a push failed)."""
-    return [
-        path
-        for name in WORKFLOW.comparison
-        for path in [f"{RESULTS}/comparison/{name}/index.html", *target_files(name)]
-    ]
+    return [path for name in WORKFLOW.comparison for path in target_files(name)]
 
 
 def bench_device():
@@ -635,7 +644,7 @@ def bench_gpus(wildcards):
 import json as _json
 from dataclasses import dataclass as _dataclass
 
-from jagg_pipeline.workflow.experiments import pool_key, stage_values
+from jagg_pipeline.workflow.experiments import pool_key
 
 CONDITIONING = f"{RESULTS}/conditioning"
 
@@ -754,7 +763,6 @@ def encode_gpus(wildcards):
 # the single-round jobs; Snakemake knows its record and its last checkpoint.
 BLOCK_RECORD = "block.json"
 BLOCK_TRANSIENT_RECORD = "block-transient.json"
-BLOCK_STAGES = (*ROUND_STAGES, "evaluate")
 
 
 def block_record(run, block):
@@ -867,8 +875,14 @@ def block_conditioning_arguments(wildcards):
 def block_digest(wildcards):
     """The digests of what the block's stages read (an edit of any reruns the block)."""
     run, block = block_of(wildcards)
-    stages = BLOCK_STAGES if run.block_evaluations(block) else ROUND_STAGES
-    return digest([stage_digest(run.config, stage) for stage in stages])
+    digests = [
+        stage_digest(run.config, stage, round_index if stage == "train" else None)
+        for round_index in block
+        for stage in ROUND_STAGES
+    ]
+    if run.block_evaluations(block):
+        digests.append(stage_digest(run.config, "evaluate"))
+    return digest(digests)
 
 
 def block_runtime(wildcards):
