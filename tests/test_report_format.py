@@ -11,7 +11,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 from jagg_pipeline.reports import summary
-from jagg_pipeline.reports.compare import plot_speed, update_seconds, write_comparison
+from jagg_pipeline.reports.compare import plot_speed, speedups, update_seconds, write_comparison
 from jagg_pipeline.reports.summary import RunMetrics, plot, summarise, table
 
 
@@ -104,7 +104,8 @@ def test_curves_of_a_run_without_evaluations_still_draw(tmp_path, saved_figures)
 
 def test_update_seconds_tick_rounds_at_whole_numbers(tmp_path, saved_figures):
     runs = [_run("exact", 0, 0.4), _run("jagg", 0, 0.3)]
-    plot_speed(update_seconds(runs), tmp_path / "speed.png")
+    seconds = update_seconds(runs)
+    plot_speed(seconds, speedups(seconds), tmp_path / "speed.png")
     (figure,) = saved_figures
     left = figure.get_axes()[0]
     assert left.get_xlabel() == "round"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jagg_pipeline.io.tables import format_number
+
 
 def worst_rel_err(report: dict[str, Any]) -> float:
     """The largest per-window jagg rel_err of either layout."""
@@ -24,16 +26,19 @@ def _layout_lines(layout: dict[str, Any]) -> list[str]:
         span = f"{w['interval'][0]}-{w['interval'][-1]}"
         lines.append(
             f"{w['index']:>6} {span:>10} {w['sigma_start']:>11.4f} {w['sigma_end']:>9.4f} "
-            f"{w['jagg']['cos_sim']:>10.6f} {w['jagg']['rel_err']:>12.3e} "
-            f"{w['no_interp']['cos_sim']:>10.6f} {w['no_interp']['rel_err']:>14.3e}"
+            f"{format_number(w['jagg']['cos_sim'], '>10.6f')} {w['jagg']['rel_err']:>12.3e} "
+            f"{format_number(w['no_interp']['cos_sim'], '>10.6f')} "
+            f"{w['no_interp']['rel_err']:>14.3e}"
         )
     t = layout["trajectory"]
     calls = layout["backward_calls"]
     return [
         *lines,
         f"whole trajectory at jagg_frac={t['jagg_frac']}: "
-        f"jagg cos={t['jagg']['cos_sim']:.6f} rel_err={t['jagg']['rel_err']:.3e}; "
-        f"no_interp cos={t['no_interp']['cos_sim']:.6f} rel_err={t['no_interp']['rel_err']:.3e}",
+        f"jagg cos={format_number(t['jagg']['cos_sim'], '.6f')} "
+        f"rel_err={t['jagg']['rel_err']:.3e}; "
+        f"no_interp cos={format_number(t['no_interp']['cos_sim'], '.6f')} "
+        f"rel_err={t['no_interp']['rel_err']:.3e}",
         f"network backward calls: exact={calls['exact']} jagg={calls['jagg']} "
         f"no_interp={calls['no_interp']}",
     ]

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "have been pushed with `track`) or, with tracking off, from their folders, and "
             "writes into OUT: index.html, table.md (mean +- std over seeds per variant), "
             "curves.png (held-out metrics and rollout reward vs round, seed bands), speed.png "
-            "(update seconds per round, speed-up vs the exact variant) and cos_sim.png "
+            "(update seconds per round, speed-up vs the exact variant with its spread over "
+            "rounds and seeds) and cos_sim.png "
             "(per-window cos-sim vs round, when jagg_frac: auto or jagg.probe_every probed it)."
         ),
     )

@@ -68,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from jagg_pipeline.io.tables import format_number
     from jagg_pipeline.toyworld.build import build_toyworld, ensure_clip, pretrain_backbone
     from jagg_pipeline.toyworld.config import BuildConfig
 
@@ -100,7 +101,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"toy world {report['family']} (seed {report['seed']}) written to {args.out}")
     print(f"{'':12} {'attribute reward':>16} {'toy CLIPScore':>14}")
     for name, numbers in rows:
-        print(f"{name:12} {numbers['attribute_reward']:>16.3f} {numbers['toy_clipscore']:>14.2f}")
+        reward = format_number(numbers["attribute_reward"], ">16.3f")
+        print(f"{name:12} {reward} {format_number(numbers['toy_clipscore'], '>14.2f')}")
     print(
         f"toy CLIP top-1 among 16 held-out captions: {report['clip']['top1_16']:.3f}; "
         f"pretraining {report['pretrain']['seconds']:.0f} s, CLIP {report['clip']['seconds']:.0f} s"

@@ -1,8 +1,11 @@
 """Pictures people would rather look at than read: image grids with captions, loss curves.
 
 Grids use Pillow only; curves use matplotlib (headless backend), imported when drawn. Every
-figure of the package is drawn on :func:`pyplot` and written by :func:`save_figure`. Torch and
-matplotlib are imported when used: the torch-free reports import this module.
+figure of the package is drawn on :func:`pyplot` and written by :func:`save_figure`; the
+reports lay out their panels with :func:`panel_grid` (wrapped, never an empty panel), tick
+round axes with :func:`round_ticks`, give each variant one colour (:func:`variant_colours`)
+and write what a figure cannot show as text under it (:func:`footnote`, :func:`note_figure`).
+Torch and matplotlib are imported when used: the torch-free reports import this module.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import functools
 import io
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +57,77 @@ def save_figure(figure: Any, path: str | Path, **options: Any) -> Path:
     _write_png(path, lambda buffer: figure.savefig(buffer, format="png", **options))
     pyplot().close(figure)
     return Path(path)
+
+
+def panel_grid(
+    count: int, *, columns: int = 3, size: tuple[float, float] = (4.5, 3.6)
+) -> tuple[Any, list[Any]]:
+    """A figure of ``count`` panels of ``size`` inches, at most ``columns`` to a row; its axes.
+
+    Rows are filled evenly (4 panels: 2 x 2, not 3 + 1) and the cells left over are removed,
+    so that no panel is drawn empty; the axes come in reading order.
+    """
+    rows = max(1, -(-count // columns))
+    across = max(1, -(-count // rows))
+    figure, grid = pyplot().subplots(
+        rows, across, figsize=(size[0] * across, size[1] * rows), dpi=100, squeeze=False
+    )
+    axes = [axis for row in grid for axis in row]
+    for spare in axes[count:]:
+        spare.remove()
+    return figure, axes[:count]
+
+
+def round_ticks(axis: Any, rounds: Iterable[int]) -> None:
+    """Tick the x axis of ``axis`` at whole numbers only, over the span of ``rounds``.
+
+    Half a round of margin either side: matplotlib's own range around a single round is
+    +-0.05, where no whole number but that round fits and its ticks fall back to fractions.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    found = sorted(set(rounds))
+    if found:
+        margin = max(0.5, 0.05 * (found[-1] - found[0]))
+        axis.set_xlim(found[0] - margin, found[-1] + margin)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
+def variant_colours(names: Iterable[str]) -> dict[str, str]:
+    """One matplotlib colour per name, in order, so a variant looks alike in every panel.
+
+    Each axes cycles colours on its own: a variant missing from one panel would shift the
+    colours of the others there.
+    """
+    return {name: f"C{index % 10}" for index, name in enumerate(dict.fromkeys(names))}
+
+
+def footnote(figure: Any, notes: Sequence[str], fontsize: float = 8) -> float:
+    """Write ``notes`` under the panels of ``figure``, growing it to fit; their share of it.
+
+    Pass the share as the bottom of ``tight_layout``'s rect, ``(0, share, 1, 1)``, so that
+    the panels keep clear of the notes. Nothing to write: 0 and the figure as it was.
+    """
+    if not notes:
+        return 0.0
+    width, height = figure.get_size_inches()
+    chars = max(20, int(width * 72 / (0.55 * fontsize)))  # a character is about 0.55 em wide
+    lines = [line for note in notes for line in textwrap.wrap(note, chars)]
+    extra = (len(lines) + 1) * fontsize * 1.3 / 72
+    figure.set_size_inches(width, height + extra)
+    margin = 0.5 * fontsize / 72 / (height + extra)
+    figure.text(0.01, margin, "\n".join(lines), fontsize=fontsize, va="bottom")
+    return extra / (height + extra)
+
+
+def note_figure(notes: Sequence[str], width: float = 8) -> Any:
+    """A figure of ``notes`` alone: what a report draws where it has no data to plot.
+
+    Its file still exists for the workflow rules that list it, and it says why it is bare.
+    """
+    figure = pyplot().figure(figsize=(width, 0.1), dpi=100)
+    footnote(figure, notes, fontsize=10)
+    return figure
 
 
 def image_grid(

@@ -1,7 +1,8 @@
 """Tables on disk: reading json/jsonl/csv/parquet rows and writing csv/jsonl/parquet atomically.
 
 Prompt files, image manifests and the per-sample score tables between the score and train
-stages all go through here.
+stages all go through here, and the numbers of every table the reports print through
+:func:`format_number`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ WRITE_SUFFIXES = (".csv", ".jsonl", ".parquet")
 
 class TableError(InputError):
     """A table file is missing, malformed or lacks the requested column."""
+
+
+def format_number(value: float, spec: str = ".3f") -> str:
+    """``value`` in format ``spec``, a value that rounds to zero printed as zero does.
+
+    ``format(-0.0001, ".3f")`` is ``-0.000``, which reads as a measured negative; here it is
+    ``0.000`` (``+0.000`` for a ``+`` spec), as exactly 0.0 prints, padding kept.
+    """
+    text = format(value, spec)
+    if isinstance(value, float) and format(abs(value), spec) == format(0.0, spec):
+        return format(0.0, spec)
+    return text
 
 
 def read_text(path: str | os.PathLike[str]) -> str:

@@ -9,8 +9,10 @@ reward of the round's rollout, one line per optimizer step) and
 the tracking rule pushes), ``table.md`` (per variant, mean +- std over seeds: evaluation base
 -> final, rise, training reward, update-stage seconds per round; a variant of one seed shows
 its values alone; below it, per stage, the median seconds of a job's start-up, loading and
-work, :mod:`jagg_pipeline.support.startup`) and ``curves.png`` (evaluation metrics and training
-reward vs round, seed bands; integer round ticks) and ``grids/`` (the evaluation grids of the
+work, :mod:`jagg_pipeline.support.startup`; numbers by
+:func:`~jagg_pipeline.io.tables.format_number`, never ``-0.000``) and ``curves.png``
+(evaluation metrics and training reward vs round, seed bands; integer round ticks; a panel
+only for what was measured, at most 3 to a row) and ``grids/`` (the evaluation grids of the
 base policy and the final checkpoint of every run). A run is read whole or not at all: a round
 or an evaluation its config calls for but its folder lacks is an error naming what is missing
 (:func:`read_run`), never a curve with a point quietly gone. Torch-free.
@@ -43,13 +45,21 @@ from jagg_pipeline.io.artifacts import (
     round_name,
     round_record,
 )
-from jagg_pipeline.io.figures import pyplot, save_figure
+from jagg_pipeline.io.figures import (
+    note_figure,
+    panel_grid,
+    round_ticks,
+    save_figure,
+    variant_colours,
+)
+from jagg_pipeline.io.tables import format_number
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import PARTS
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
 # The stages that run as jobs, in pipeline order: the rows of the start-up table.
 JOB_STAGES = ("rollout", "score", "train", "evaluate")
+NO_CURVES = "No evaluations and no rollouts in these runs: nothing to plot against rounds."
 
 
 @dataclass
@@ -189,15 +199,8 @@ def mean_pm_std(mean: float, std: float, seeds: int, spec: str = ".3f") -> str:
 
     A single seed has no spread to report: ``+- 0.000`` would read as a measured zero.
     """
-    text = format(mean, spec)
-    return text if seeds < 2 else f"{text} +- {std:{spec.lstrip('+')}}"
-
-
-def integer_ticks(axis: Any) -> None:
-    """Tick the x axis of matplotlib ``axis`` at whole numbers only (its unit is rounds)."""
-    from matplotlib.ticker import MaxNLocator
-
-    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    text = format_number(mean, spec)
+    return text if seeds < 2 else f"{text} +- {format_number(std, spec.lstrip('+'))}"
 
 
 def _update_seconds(run: RunMetrics) -> dict[str, float]:
@@ -277,16 +280,16 @@ def table(summary: Mapping[str, Any]) -> str:
             rise, rise_std = s["rise"][m]
             seeds = len(s["seeds"])
             cells.append(
-                f"{base:.3f} -> {mean_pm_std(final, final_std, seeds)} "
+                f"{format_number(base)} -> {mean_pm_std(final, final_std, seeds)} "
                 f"({mean_pm_std(rise, rise_std, seeds, '+.3f')})"
             )
         rewards = s["train_reward"]
-        cells.append(f"{rewards[0][0]:.3f} -> {rewards[-1][0]:.3f}" if rewards else "-")
-        u = s["update_seconds"]
         cells.append(
-            f"{sum(u.values()):.2f} ({u['forward']:.2f} + {u['backward']:.2f} + "
-            f"{u['optimizer']:.2f})"
+            f"{format_number(rewards[0][0])} -> {format_number(rewards[-1][0])}" if rewards else "-"
         )
+        u = {part: format_number(value, ".2f") for part, value in s["update_seconds"].items()}
+        total = format_number(sum(s["update_seconds"].values()), ".2f")
+        cells.append(f"{total} ({u['forward']} + {u['backward']} + {u['optimizer']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -337,51 +340,68 @@ def stage_table(stages: Mapping[str, Mapping[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for stage, s in stages.items():
-        cells = ["-" if s[part] is None else f"{s[part]:.2f}" for part in PARTS]
+        cells = ["-" if s[part] is None else format_number(s[part], ".2f") for part in PARTS]
         share = "-"
         if s["import"] is not None:
             overhead = s["import"] + s["load"]
-            share = f"{overhead / (overhead + s['work']):.0%}"
+            share = format_number(overhead / (overhead + s["work"]), ".0%")
         lines.append(f"| {stage} | {s['jobs']} | {' | '.join(cells)} | {share} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
-    """One panel per evaluation metric plus the training reward, vs round, with seed bands.
+    """One panel per evaluation metric plus the rollout reward, vs round, with seed bands.
 
-    Rounds are ticked at whole numbers. A variant of one seed has no band; when no variant
-    has more than one, the legend says n=1 instead of mean +- std.
+    A panel only for what some variant measured (an evaluation-only experiment has no
+    rollout reward; runs without evaluations no held-out panels), at most 3 to a row; a
+    figure that says so when there is nothing at all. Rounds are ticked at whole numbers. A
+    variant of one seed has no band; when no variant has more than one, the legend says n=1
+    instead of mean +- std. A variant has one colour in every panel.
     """
-    metrics = sorted({m for s in summary.values() for m in s["curves"]})
-    panels = [*metrics, "train reward"]
-    figure, grid = pyplot().subplots(
-        1, len(panels), figsize=(4.5 * len(panels), 3.6), dpi=100, squeeze=False
-    )
-    axes = list(grid[0])
+    metrics = sorted({m for s in summary.values() for m, points in s["curves"].items() if points})
+    panels = {
+        f"held-out {m}": (
+            "rounds trained",
+            {v: (s["evaluated_rounds"], s["curves"].get(m, [])) for v, s in summary.items()},
+        )
+        for m in metrics
+    }
+    if any(s["train_reward"] for s in summary.values()):
+        panels["rollout reward"] = (
+            "round",
+            {v: (s["reward_rounds"], s["train_reward"]) for v, s in summary.items()},
+        )
+    if not panels:
+        return save_figure(note_figure([NO_CURVES]), path)
+    figure, axes = panel_grid(len(panels))
+    colours = variant_colours(summary)
     several = any(len(s["seeds"]) > 1 for s in summary.values())
-    for variant, s in summary.items():
-        single = len(s["seeds"]) < 2
-        label = f"{variant} (n=1)" if single and several else variant
-        for axis, panel in zip(axes, panels, strict=True):
-            if panel == "train reward":
-                xs, points = s["reward_rounds"], s["train_reward"]
-            else:
-                xs, points = s["evaluated_rounds"], s["curves"].get(panel, [])
+    legend: dict[str, Any] = {}
+    for axis, (name, (xlabel, series)) in zip(axes, panels.items(), strict=True):
+        drawn: list[int] = []
+        for variant, (xs, points) in series.items():
             if not points:
                 continue
+            single = len(summary[variant]["seeds"]) < 2
+            label = f"{variant} (n=1)" if single and several else variant
             mean = [p[0] for p in points]
-            (line,) = axis.plot(xs, mean, marker="o", markersize=3, label=label)
-            if single:
-                continue
-            low = [p[0] - p[1] for p in points]
-            high = [p[0] + p[1] for p in points]
-            axis.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
-    for axis, panel in zip(axes, panels, strict=True):
-        axis.set_title(f"held-out {panel}" if panel != "train reward" else "rollout reward")
-        axis.set_xlabel("rounds trained" if panel != "train reward" else "round")
-        integer_ticks(axis)
+            (line,) = axis.plot(xs, mean, marker="o", markersize=3, color=colours[variant])
+            legend.setdefault(label, line)
+            drawn += xs
+            if not single:
+                low = [p[0] - p[1] for p in points]
+                high = [p[0] + p[1] for p in points]
+                axis.fill_between(xs, low, high, color=colours[variant], alpha=0.15)
+        axis.set(title=name, xlabel=xlabel)
+        round_ticks(axis, drawn)
         axis.grid(alpha=0.3)
-    axes[0].legend(title="mean +- std over seeds" if several else "one seed each (n=1)")
+    # Every variant in one legend, whichever panels it has points in.
+    axes[0].legend(
+        legend.values(),
+        legend.keys(),
+        title="mean +- std over seeds" if several else "one seed each (n=1)",
+        fontsize=8 if len(legend) > 3 else None,
+    )
     if title:
         figure.suptitle(title)
     figure.tight_layout()
