@@ -163,3 +163,65 @@ def test_unusable_device_and_unknown_names_are_refused(models, tmp_path, capsys)
         main(["rewards", "--config", str(config), "--names", "hpsv21,pickscor"])
     assert exit_info.value.code == 2
     assert "pickscor: not a reward name; known rewards: hpsv21" in capsys.readouterr().err
+
+
+def test_build_tiny_writes_models_the_printed_config_scores_with(tmp_path, capsys):
+    import torch
+    import yaml
+
+    from jagg_pipeline.config.run import load_config
+    from jagg_pipeline.rewards import load_reward
+    from jagg_pipeline.rewards.tiny import COLOURS, MANIFEST, TINY_REWARDS, caption, colour_images
+
+    target = tmp_path / "tiny"
+    assert main(["rewards", "--build-tiny", str(target)]) == 0
+    out = capsys.readouterr().out
+    assert {path.name for path in target.iterdir()} == {MANIFEST, *TINY_REWARDS}
+    assert not list(tmp_path.glob(".tiny.*"))  # the staging folder was renamed into place
+    snippet = out[out.index("rewards:\n") :]
+    assert yaml.safe_load(snippet) == yaml.safe_load((target / MANIFEST).read_text())
+    pasted = tmp_path / "exp.yaml"
+    pasted.write_text(snippet)
+    config = load_config(pasted)
+    assert list(config.rewards.weights) == ["hpsv21", "pickscore"]
+    assert config.eval.metrics == ["hpsv21", "pickscore", "clipscore"]
+    # Every model scores images of each colour highest with that colour's caption.
+    names = list(COLOURS)
+    images = colour_images(names, seed=123)
+    for name in config.eval.metrics:
+        reward = load_reward(name, config.rewards.spec(name), torch.device("cpu"))
+        scores = torch.stack([reward(images, [caption(c)] * len(names)) for c in names], dim=1)
+        assert (scores.argmax(dim=1) == torch.arange(len(names))).all(), (name, scores)
+    # The manifest is a config the check accepts as it is.
+    assert main(["rewards", "--config", str(target / MANIFEST)]) == 0
+    assert list(reward_lines(capsys.readouterr().out)) == ["hpsv21", "pickscore", "clipscore"]
+
+
+def test_build_tiny_refuses_a_foreign_folder_and_replaces_its_own(tmp_path, capsys, monkeypatch):
+    from jagg_pipeline.rewards import tiny
+    from jagg_pipeline.rewards.tiny import MANIFEST, TINY_REWARDS
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rewards", "--build-tiny", str(foreign)])
+    assert exit_info.value.code != 0
+    assert str(exit_info.value.code).startswith(f"error: --build-tiny {foreign}: ")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    with pytest.raises(SystemExit, match="--build-tiny takes no --names"):
+        main(["rewards", "--build-tiny", str(tmp_path / "new"), "--names", "hpsv21"])
+    with pytest.raises(SystemExit, match="give --config FILE"):
+        main(["rewards"])
+
+    # An earlier build is replaced whole (the real builders are tested above; these are quick).
+    monkeypatch.setattr(tiny, "build_tiny_reward", lambda name, folder: folder.mkdir())
+    own = tmp_path / "own"
+    assert main(["rewards", "--build-tiny", str(own)]) == 0
+    (own / "hpsv21" / "stale").write_text("from the earlier build")
+    assert main(["rewards", "--build-tiny", str(own)]) == 0
+    assert {p.name for p in own.iterdir()} == {MANIFEST, *TINY_REWARDS}
+    assert not (own / "hpsv21" / "stale").exists()
+    capsys.readouterr()

@@ -7,6 +7,10 @@ where the stages would fail) on the device the stages use, one line is printed p
 and the model is released before the next one loads. Nothing is sampled or scored. Every
 reward is tried; each failure is one ``error:`` line naming the config key and the path, with
 the expected layout in ``docs/reward-models.md``.
+
+``rewards --build-tiny DIR`` instead writes tiny HPSv2.1 / PickScore / CLIPScore models in
+their real formats (:mod:`jagg_pipeline.rewards.tiny`) for trying the real reward path offline,
+and prints the config that points at them.
 """
 
 from __future__ import annotations
@@ -58,7 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             released before the next loads. Every reward is tried: each one that fails is an
             `error:` line naming the config key and the path to fix. Accepts the workflow's
             config.yaml (its base sections; an experiment's variant overrides are not applied,
-            give them with --set)."""
+            give them with --set).
+
+            --build-tiny DIR instead writes tiny HPSv2.1, PickScore and CLIPScore models in
+            their real formats to DIR (randomly initialised, trained for seconds on solid
+            colours: for trying the real reward path offline, never for scores that mean
+            anything), with DIR/tiny-rewards.yaml, the rewards and eval.metrics config that
+            uses them, and prints that config."""
         ),
         epilog=textwrap.dedent(
             f"""\
@@ -72,11 +82,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
             With HF_HUB_OFFLINE=1 a hub id is only looked up in the local cache, so a missing
             model fails at once. Expected files per reward, and how to download them:
-            {LAYOUT_DOC}."""
+            {LAYOUT_DOC}.
+
+            --build-tiny refuses a DIR that is not empty unless an earlier --build-tiny wrote
+            it (it holds tiny-rewards.yaml), and replaces such a DIR whole; the models are
+            written beside DIR first and renamed into place, so DIR is never half written."""
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(p)
+    # --config is required unless --build-tiny is given: _run checks that one of them is.
+    add_config_arguments(p, required=False)
+    p.add_argument(
+        "--build-tiny",
+        type=Path,
+        metavar="DIR",
+        help="write tiny real-format hpsv21, pickscore and clipscore models to DIR and print "
+        "the config that uses them, instead of checking a config",
+    )
     p.add_argument(
         "--device",
         help="torch device of the reward models (default: the config's rewards.device, else "
@@ -204,10 +226,78 @@ def _load_and_describe(name: str, spec: Any, device: Any) -> str:
     return line
 
 
+def _refuse_foreign(target: Path) -> None:
+    """Refuse ``target`` unless it is new, an empty folder, or an earlier tiny build."""
+    from jagg_pipeline.rewards.tiny import MANIFEST
+    from jagg_pipeline.support.errors import InputError
+
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise InputError(f"--build-tiny {target}: not a folder; nothing was changed")
+    if any(target.iterdir()) and not (target / MANIFEST).is_file():
+        raise InputError(
+            f"--build-tiny {target}: the folder is not empty and holds no {MANIFEST}, so an "
+            "earlier --build-tiny did not write it; give a new or empty folder (nothing was "
+            "changed)"
+        )
+
+
+def _build_tiny(target: Path) -> int:
+    """Write the tiny reward models to ``target`` atomically, then print the config using them."""
+    import yaml
+
+    from jagg_pipeline.cli.common import stage_errors
+    from jagg_pipeline.io.artifacts import atomic_directory
+    from jagg_pipeline.rewards.tiny import (
+        MANIFEST,
+        TINY_REWARDS,
+        build_tiny_reward,
+        tiny_rewards_config,
+    )
+
+    with stage_errors():
+        _refuse_foreign(target)
+    print(f"building {len(TINY_REWARDS)} tiny reward models into {target}", flush=True)
+    # The config names the final folder, not the staging one it is written in.
+    snippet = yaml.safe_dump(tiny_rewards_config(target), sort_keys=False)
+    # stage_errors: an unwritable folder or a full disk is one `error:` line naming the output.
+    with stage_errors(), atomic_directory(target) as staging:
+        for name in TINY_REWARDS:
+            start = time.perf_counter()
+            build_tiny_reward(name, staging / name)
+            print(f"{name:<{_NAME_WIDTH}} {time.perf_counter() - start:6.1f} s", flush=True)
+        (staging / MANIFEST).write_text(
+            "# Tiny reward models in real formats (rewards --build-tiny), trained for seconds on\n"
+            "# solid colours: for trying the real reward path offline; their scores mean nothing.\n"
+            + snippet
+        )
+    manifest = target.resolve() / MANIFEST
+    print(
+        f"wrote {target.resolve()}; {manifest} holds this config (check it with "
+        f"`python -m jagg_pipeline rewards --config {manifest}`), copy it into yours:\n"
+    )
+    print(snippet, end="")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.cli.common import load_stage_config, stage_errors
     from jagg_pipeline.support.errors import InputError
 
+    if args.build_tiny is not None:
+        check_options = {
+            "--config": args.config,
+            "--set": args.overrides,
+            "--device": args.device,
+            "--names": args.names,
+        }
+        given = [flag for flag, value in check_options.items() if value]
+        if given:
+            raise SystemExit(f"error: --build-tiny takes no {', '.join(given)}")
+        return _build_tiny(args.build_tiny)
+    if args.config is None:
+        raise SystemExit("error: give --config FILE (check its rewards) or --build-tiny DIR")
     config = load_stage_config(args.config, args.overrides)
     names = args.names or _config_rewards(config)
     device, source = _device(args.device, config)

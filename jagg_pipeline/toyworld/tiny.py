@@ -6,19 +6,17 @@ sizes, randomly initialised from a seed, and ``save_pretrained`` writes it exact
 checkpoint is laid out. The adapters then load these directories through the same code path as
 a real checkpoint, and the tests compare them with the official diffusers pipelines.
 
-Tokenizers are made without any download: the CLIP vocabulary is rebuilt
-from the BPE merges file that open_clip ships; the T5 unigram vocabulary is the toy corpus'
-words and characters scored by log frequency; the Qwen2 byte-level BPE is trained here with
-``tokenizers`` on the toy captions and QwenImage's prompt template. Transformers 5 ignores
-``vocab_file=``/``merges_file=``, so they are built from ``vocab=``/``merges=`` objects, and
-each gets an explicit ``model_max_length``.
+Tokenizers are made without any download: the CLIP one is
+:func:`jagg_pipeline.rewards.tiny.clip_tokenizer` (the real vocabulary, rebuilt from the BPE
+merges file that open_clip ships; the tiny reward models use it too); the T5 unigram
+vocabulary is the toy corpus' words and characters scored by log frequency; the Qwen2
+byte-level BPE is trained here with ``tokenizers`` on the toy captions and QwenImage's prompt
+template. Transformers 5 ignores ``vocab_file=``/``merges_file=``, so they are built from
+``vocab=``/``merges=`` objects, and each gets an explicit ``model_max_length``.
 """
 
 from __future__ import annotations
 
-import functools
-import gzip
-import importlib.util
 import json
 import math
 import re
@@ -32,6 +30,7 @@ import torch
 from jagg_pipeline.backbones import Backbone, load_backbone
 from jagg_pipeline.backbones.qwenimage import PROMPT_TEMPLATE
 from jagg_pipeline.config.run import BackboneConfig
+from jagg_pipeline.rewards.tiny import clip_tokenizer
 from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES
 
 TINY_FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage")
@@ -62,39 +61,6 @@ def _corpus() -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Tokenizers
 # --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """CLIP's vocabulary and merges from open_clip's BPE file (read once per process).
-
-    The vocabulary is the 256 byte symbols, the same with the end-of-word mark, one token per
-    merge in rank order, then the start/end-of-text tokens: the order CLIP's ids follow.
-    """
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("open_clip_torch is needed to rebuild the CLIP vocabulary")
-    bpe_file = Path(spec.submodule_search_locations[0]) / "bpe_simple_vocab_16e6.txt.gz"
-    with gzip.open(bpe_file, "rt", encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    # The first line is a header; CLIP keeps 49152 - 256 - 2 merges.
-    merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
-    symbols = list(bytes_to_unicode().values())
-    tokens = [*symbols, *(s + "</w>" for s in symbols), *("".join(m) for m in merges)]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return {token: index for index, token in enumerate(tokens)}, merges
-
-
-def clip_tokenizer(pad_token: str = "<|endoftext|>"):
-    """The real CLIP BPE tokenizer (49408 tokens), rebuilt from open_clip's merges file."""
-    from transformers import CLIPTokenizer
-
-    vocab, merges = _clip_vocab()
-    return CLIPTokenizer(
-        vocab=dict(vocab), merges=list(merges), pad_token=pad_token, model_max_length=77
-    )
 
 
 def t5_tokenizer(model_max_length: int = 512):
