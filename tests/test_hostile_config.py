@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from stage_helpers import tiny_checkpoint
 from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, write_config
 
 from jagg_pipeline.config.tools import ConfigError, read_yaml
@@ -158,6 +160,52 @@ def _flux_folder(folder: Path) -> str:
     checkpoint.mkdir()
     (checkpoint / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     return str(checkpoint)
+
+
+# The cases run in threads; diffusers' lazy imports are not safe to race.
+_BUILDING = threading.Lock()
+
+
+def _guidance_on(family: str, crossed: bool) -> Callable:
+    """A Flux-style ``backbone.guidance_scale`` on a tiny ``family`` checkpoint (one per family
+    in the battery's folder: the cases build theirs at once), set in the base sections and
+    either the base's checkpoint or inherited by the one entry of a cross group."""
+
+    def change(data: dict, folder: Path) -> dict:
+        with _BUILDING:
+            path = tiny_checkpoint(family, folder.parent)
+        checkpoint = {"family": family, "path": str(path)}
+        data["backbone"] = {"guidance_scale": 3.5, **({} if crossed else checkpoint)}
+        if crossed:
+            entry = {"tiny": {"backbone": checkpoint}}
+            data["workflow"]["experiments"]["all"]["cross"] = {"backbone": entry}
+        return data
+
+    return change
+
+
+def _hps_checkpoint(write: Callable[[Path], None]) -> Callable:
+    """An HPSv2.1 metric whose checkpoint file ``write`` fills (with something else)."""
+
+    def change(data: dict, folder: Path) -> dict:
+        path = folder / "HPS_v2.1_compressed.pt"
+        write(path)
+        return merge(
+            data,
+            {
+                "eval": {"metrics": ["toy_attributes", "hpsv21"]},
+                "rewards": {"hpsv21": {"checkpoint": str(path)}},
+            },
+        )
+
+    return change
+
+
+def _safetensors(path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(4)}, str(path))
 
 
 CASES = [
@@ -368,6 +416,38 @@ CASES = [
         "backbone-no-model-index",
         _backbone(str),
         ("backbone.path", "model_index.json not found"),
+    ),
+    # 5. what the checkpoint's config, the reward model files, the training runs refuse later
+    Case(
+        "guidance-on-sd3",
+        _guidance_on("sd3", crossed=False),
+        ("backbone.guidance_scale", "tiny-sd3/transformer/config.json", "all/jagg/seed-0"),
+    ),
+    Case(
+        "guidance-inherited-by-a-qwenimage-cross-entry",
+        _guidance_on("qwenimage", crossed=True),
+        ("backbone.guidance_scale", "tiny-qwenimage/transformer/config.json", "all/jagg/seed-0"),
+    ),
+    Case(
+        "hps-checkpoint-text",
+        _hps_checkpoint(lambda path: path.write_text("version https://git-lfs.github.com/spec\n")),
+        ("rewards.hpsv21.checkpoint", "HPS_v2.1_compressed.pt", "not a torch checkpoint"),
+    ),
+    Case(
+        "hps-checkpoint-safetensors",
+        _hps_checkpoint(_safetensors),
+        ("rewards.hpsv21.checkpoint", "HPS_v2.1_compressed.pt", "is a safetensors file"),
+    ),
+    Case(
+        "evaluated-round-past-train-rounds",
+        _evaluation(
+            policies={"late": {"checkpoint": "results/all/jagg/seed-0/round-0005/checkpoint"}}
+        ),
+        (
+            "workflow.evaluations.check.policies.late.checkpoint",
+            "round 5 of all/jagg/seed-0",
+            "check/late/seed-1234",
+        ),
     ),
 ]
 

@@ -25,7 +25,8 @@ from stage_helpers import EVAL_PROMPTS, tiny_checkpoint, write_prompts
 from jagg_pipeline.config import run as config_module
 from jagg_pipeline.config.tools import read_yaml, to_dict
 from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE
-from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.checks import check_runs
+from jagg_pipeline.workflow.experiments import resolve_runs, split
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -225,6 +226,18 @@ def shrink(data: dict, checkpoint: Path, rewards: dict, prompts: Path, results: 
     data["tracking"] = {"backend": "none"}
     data["workflow"]["results"] = str(results)
     return data
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_on_tiny_real_format_models_passes_the_checks_before_any_job(
+    name, tmp_path, checkpoints, rewards
+):
+    """The checkpoint's settings (Flux's guidance embedding, QwenImage's CFG), the reward
+    model files by their headers (an open_clip HPS checkpoint, a transformers CLIP folder)."""
+    checkpoint = tiny_checkpoint(EXPECTED[name].family, checkpoints)
+    prompts = write_prompts(tmp_path / "prompts.txt", EVAL_PROMPTS)
+    data = shrink(load_preset(name), checkpoint, rewards, prompts, tmp_path / "results")
+    assert check_runs(resolve_runs(data).values(), split(data)[1]) == []
 
 
 def _score_columns(scores: Path) -> set[str]:

@@ -11,6 +11,13 @@ from __future__ import annotations
 import torch
 
 from jagg_pipeline.backbones.conditioning import NEGATIVE
+from jagg_pipeline.backbones.loading import BackboneLoadError
+from jagg_pipeline.config.checkpoints import (
+    DEFAULT_GUIDANCE,
+    TRANSFORMER_CONFIG,
+    guidance_embedded,
+    option_problems,
+)
 from jagg_pipeline.config.run import BackboneConfig
 
 
@@ -54,12 +61,15 @@ class VelocityMixin:
         return (sigma * scale).to(dtype) / scale
 
     def _guidance_value(self, spec: BackboneConfig) -> float | None:
-        """The guidance-embedding value, or None if the transformer has no guidance embedding."""
-        if self.transformer.config.get("guidance_embeds", False):
-            return 3.5 if spec.guidance_scale is None else float(spec.guidance_scale)
-        if spec.guidance_scale is not None:
-            raise ValueError(
-                f"{spec.key}.guidance_scale is set but this {self.family} transformer has no "
-                f"guidance embedding; for classifier-free guidance set {spec.key}.cfg_scale"
-            )
+        """The guidance-embedding value, or None if the transformer has no guidance embedding.
+
+        A setting the transformer cannot honour is refused here as the workflow refuses it
+        before any job (:func:`~jagg_pipeline.config.checkpoints.option_problems`).
+        """
+        config = self.transformer.config
+        problems = option_problems(spec, config, str(self.path / TRANSFORMER_CONFIG))
+        if problems:
+            raise BackboneLoadError("; ".join(problems))
+        if guidance_embedded(config):
+            return DEFAULT_GUIDANCE if spec.guidance_scale is None else float(spec.guidance_scale)
         return None

@@ -113,9 +113,10 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     sections' schema; then the checks across fields (the dataclasses' ``__post_init__``) of
     the base sections and of every run of every experiment, for the parts the schema passed
     (the runs once the base sections pass: each run would repeat a base section's error);
-    then the files the runs name (prompt files, checkpoint folders), as the workflow checks
-    them. A file without a ``workflow`` section is a run config and checked as the
-    base.
+    then what the runs name (prompt files, checkpoints and their settings, reward model files,
+    evaluated rounds), as the workflow checks them
+    (:func:`~jagg_pipeline.workflow.checks.check_runs`). A file without a ``workflow``
+    section is a run config and checked as the base.
     """
     from jagg_pipeline.config.run import RunConfig, schema
     from jagg_pipeline.config.tools import (
@@ -126,9 +127,9 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         read_yaml,
         schema_errors,
     )
+    from jagg_pipeline.workflow.checks import check_runs
     from jagg_pipeline.workflow.experiments import (
         WORKFLOW_KEY,
-        check_inputs,
         resolve_runs,
         split,
         workflow_schema,
@@ -182,8 +183,8 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         runs = resolve_runs(data)
     except ConfigError as err:
         return [f"{source}: {err}"], []
-    # The files the runs name (prompt files, checkpoint folders), as the workflow checks them.
-    problems = check_inputs(runs.values(), split(data)[1].toyworld.root)
+    # What the runs name (files, checkpoint settings, evaluated rounds), as the workflow checks.
+    problems = check_runs(runs.values(), split(data)[1])
     if problems:
         return [f"{source}: {problem}" for problem in problems], []
     return [], _summary(path, runs, targets)

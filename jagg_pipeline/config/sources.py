@@ -47,10 +47,15 @@ def _missing(error: type[Exception], key: str, value: str, wanted: str, cause: s
     return error(f"{key}: {value} not found ({cause}); set it to {wanted}")
 
 
-def _local_or_hub(
+def local_or_hub(
     key: str, value: str, wanted: str, want_dir: bool, error: type[Exception]
 ) -> Path | str:
-    """The existing local path, or ``value`` itself when it is shaped like a hub id."""
+    """The existing local path, or ``value`` itself when it is shaped like a hub id.
+
+    Anything else raises ``error`` naming ``key`` (a missing local path); so does a local
+    path that is a directory where a file is wanted (``want_dir`` false), or the reverse.
+    Nothing is downloaded: what a hub id holds is its caller's to look up.
+    """
     path = Path(value).expanduser()
     if path.exists():
         if path.is_dir() != want_dir:
@@ -76,7 +81,7 @@ def load_pretrained_dir(
 
     ``wanted`` describes what the key should hold, for the error message.
     """
-    source = _local_or_hub(key, value, wanted, True, error)
+    source = local_or_hub(key, value, wanted, True, error)
     try:
         return load(str(source))
     # transformers reports missing files and hub failures as OSError, malformed ids as ValueError
@@ -95,7 +100,7 @@ def snapshot_dir(
     error: type[Exception] = ConfigError,
 ) -> Path:
     """A local directory, or the hub repo ``value`` snapshotted (only ``allow_patterns``)."""
-    source = _local_or_hub(key, value, wanted, True, error)
+    source = local_or_hub(key, value, wanted, True, error)
     if isinstance(source, Path):
         return source
     from huggingface_hub import snapshot_download
@@ -117,7 +122,7 @@ def snapshot_dir(
 
 def resolve_file(key: str, value: str, wanted: str, error: type[Exception] = ConfigError) -> Path:
     """A local file, or ``owner/name/file`` downloaded into (or found in) the hub cache."""
-    source = _local_or_hub(key, value, wanted, False, error)
+    source = local_or_hub(key, value, wanted, False, error)
     if isinstance(source, Path):
         return source
     from huggingface_hub import hf_hub_download
@@ -174,7 +179,7 @@ def check_pipeline_dir(key: str, value: str, family: str, revision: str | None =
     it); anything else is a missing directory. Raises ConfigError naming ``key``.
     """
     wanted = "a local diffusers-format directory (the one holding model_index.json) or a hub id"
-    source = _local_or_hub(key, value, wanted, True, ConfigError)
+    source = local_or_hub(key, value, wanted, True, ConfigError)
     if isinstance(source, Path):
         read_model_index(source, key, value, family)
     elif hub_offline():

@@ -14,8 +14,9 @@ stage reads (the rules' params: an edit reruns exactly the jobs it affects) and 
 prompt pools the encode rule encodes once (:func:`pool_key`). It also refuses
 what would run wrong: a name that is no single path component (every name becomes a folder and
 a shell argument), an unusable results folder, seeds or sweep values given twice, a seed set
-where ``seeds`` rules, two variants that are one config; and it checks the files a config names
-(:func:`check_inputs`). Torch-free: every Snakemake job parses the Snakefile, which calls this.
+where ``seeds`` rules, two variants that are one config (what the runs' inputs hold is
+checked by :mod:`jagg_pipeline.workflow.checks`). Torch-free: every Snakemake job parses the
+Snakefile, which calls this.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.sources import check_pipeline_dir
 from jagg_pipeline.config.tools import (
     SCHEMA_DIALECT,
     ConfigError,
@@ -42,7 +42,6 @@ from jagg_pipeline.config.tools import (
 )
 from jagg_pipeline.io.artifacts import evaluated_rounds
 from jagg_pipeline.io.manifest import stage_values
-from jagg_pipeline.io.prompts import PromptFileError, check_prompts
 from jagg_pipeline.support.errors import shown
 
 WORKFLOW_KEY = "workflow"
@@ -649,84 +648,6 @@ def toyworld_inputs(config: RunConfig, root: str) -> dict[str, str]:
     if "toy_clipscore" in used and Path(config.rewards.toy_clipscore.model) == Path(root, "clip"):
         inputs["toy_clip"] = f"{root}/clip"
     return inputs
-
-
-# The toy CLIP a run's toy CLIPScore reads (a saved model folder, built by the toy world).
-TOY_CLIP_KEY = "toy_clipscore.model"
-
-
-def check_inputs(runs: Iterable[Run], toyworld_root: str) -> list[str]:
-    """What is wrong with the files the runs' configs name, one line per problem.
-
-    Each prompt file (``sampler.prompts`` of a training run, ``eval.prompts``) is read whole
-    as its stage will read it, and each ``backbone.path`` that no toy-world rule builds is
-    checked to be a checkpoint of its family
-    (:func:`~jagg_pipeline.config.sources.check_pipeline_dir`),
-    as is the toy CLIP of ``toy_clipscore`` where no toy-world rule builds it, without loading
-    a model: the workflow refuses them while it is parsed, not minutes into a
-    job. Each line names the key, the file and the runs that use it; each file is read once.
-    """
-    problems: dict[tuple[str, ...], str | None] = {}
-    users: dict[str, list[str]] = {}
-    for run in runs:
-        config = run.config
-        inputs = [("eval.prompts", "eval.column", config.eval.prompts, config.eval.column)]
-        if run.policy is None:
-            sampler = config.sampler
-            inputs.append(
-                ("sampler.prompts", "sampler.prompt_column", sampler.prompts, sampler.prompt_column)
-            )
-        toy = toyworld_inputs(config, toyworld_root)
-        if "toy_backbone" not in toy:
-            spec = config.backbone
-            inputs.append(("backbone.path", spec.family, spec.path, spec.revision))
-        used = {*config.rewards.weights, *config.eval.metrics}
-        if "toy_clipscore" in used and "toy_clip" not in toy:
-            model = config.rewards.toy_clipscore.model
-            inputs.append((f"rewards.{TOY_CLIP_KEY}", "", model, None))
-        for what in inputs:
-            if what not in problems:
-                problems[what] = _input_problem(*what, toyworld_root)
-            if problems[what] is not None:
-                users.setdefault(problems[what], []).append(run.run_id)
-    return [
-        f"{problem} (run{'s' if len(ids) > 1 else ''} {', '.join(ids[:3])}"
-        f"{f' and {len(ids) - 3} more' if len(ids) > 3 else ''})"
-        for problem, ids in users.items()
-    ]
-
-
-def _input_problem(key: str, other: str, value: str, extra: str | None, root: str) -> str | None:
-    """The problem with one input :func:`check_inputs` checks (None: it is fine).
-
-    A prompt source: ``key``, its column's key ``other``, the source ``value``, the column
-    ``extra``. A backbone: ``backbone.path``, the family ``other``, the path ``value``, the
-    revision ``extra``.
-    """
-    if key == f"rewards.{TOY_CLIP_KEY}":
-        if (Path(value) / "config.json").is_file():
-            return None
-        return (
-            f"{key}: {shown(value)} is no saved CLIP model (no config.json there); the workflow "
-            f"builds the toy CLIP at {root}/clip, from workflow.toyworld.root: point {key} there "
-            "or at a CLIP folder of your own"
-        )
-    if key == "backbone.path":
-        try:
-            check_pipeline_dir(key, value, other, extra)
-        except ConfigError as err:
-            if other not in Path(value).parts[-1:]:
-                return str(err)
-            return (
-                f"{err} (the workflow builds the toy {other} backbone at {root}/{other}, "
-                "from workflow.toyworld.root)"
-            )
-        return None
-    try:
-        check_prompts(value, extra)
-    except PromptFileError as err:
-        return f"{key}: {err}; fix {key} or {other}"
-    return None
 
 
 def kept_rounds(config: RunConfig, keep_every: int | None) -> list[int]:

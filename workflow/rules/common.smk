@@ -28,8 +28,8 @@ from jagg_pipeline.config.tools import (
     read_yaml,
     to_dict,
 )
+from jagg_pipeline.workflow.checks import check_runs
 from jagg_pipeline.workflow.experiments import (
-    check_inputs,
     dag_recursion_limit,
     merge,
     resolve_runs,
@@ -68,9 +68,9 @@ sys.setrecursionlimit(max(sys.getrecursionlimit(), dag_recursion_limit(RUNS.valu
 WORKFLOW = split(config)[1]
 RESULTS = WORKFLOW.results
 TOYWORLD = WORKFLOW.toyworld.root
-# The files the config names (prompt files, checkpoint folders), read now: a bad one is
-# refused before any job starts, not minutes into one.
-_PROBLEMS = check_inputs(RUNS.values(), TOYWORLD)
+# What the runs name (prompt files, checkpoints and their settings, reward model files,
+# evaluated rounds), read now: a bad one is refused before any job starts, not minutes into one.
+_PROBLEMS = check_runs(RUNS.values(), WORKFLOW)
 if _PROBLEMS:
     raise ConfigError("\n".join(_PROBLEMS))
 LOGS = f"{RESULTS}/logs"
