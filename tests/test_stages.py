@@ -379,6 +379,7 @@ def test_export_writes_the_hub_format_of_a_checkpoint(tmp_path, checkpoints, tra
         assert sorted(p.name for p in out.iterdir()) == [
             "adapter_config.json",
             "adapter_model.safetensors",
+            "manifest.json",  # which the loaders ignore
             "pytorch_lora_weights.safetensors",
         ]
         exported = policies.load_policy(config, "base")

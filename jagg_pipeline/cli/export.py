@@ -27,7 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
             pipe.load_lora_weights(DIR) and peft's PeftModel.from_pretrained(transformer, DIR)
             read (adapter_config.json, adapter_model.safetensors,
             pytorch_lora_weights.safetensors). Needs host memory for the whole
-            model once; the training checkpoints themselves stay sharded."""
+            model once; the training checkpoints themselves stay sharded.
+
+            The folder also holds manifest.json (stage "export", its kind, the
+            checkpoint it came from, every file's digest), which the loaders ignore and
+            which marks it as an export. --out must be new, an empty folder, or a
+            previous export of the same kind, which is replaced; anything else (a
+            folder of yours, the checkpoint or a folder holding it, a run folder, the
+            current folder, a file, an export of the other kind) is refused, untouched."""
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -35,15 +42,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policy", type=Path, required=True, metavar="CKPT", help="a training checkpoint"
     )
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="output folder: a new path, an empty folder or a previous export of the same kind",
+    )
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from jagg_pipeline.io.exports import DestinationError
     from jagg_pipeline.stages.policy import export_policy
 
     config = load_stage_config(args.config, args.overrides)
     with stage_errors():
-        export_policy(config, args.policy, args.out)
-    print(f"{args.policy} exported to {args.out}")
+        try:
+            export = export_policy(config, args.policy, args.out)
+        except DestinationError as err:  # a refused --out: the command's own one-line form
+            raise SystemExit(f"export: {err}") from None
+    replaced = f"; replaced the previous export at {export.path}" if export.replaced else ""
+    print(f"{args.policy} exported to {args.out}{replaced}")
     return 0

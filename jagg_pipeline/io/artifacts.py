@@ -433,8 +433,16 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     The swap renames an existing ``target`` to ``.NAME.old``, the staging directory to
     ``target``, then deletes the old one: a reader sees the old output or the new one, never a
     mix. On an exception the staging directory is removed and ``target`` is left as it was.
+    A ``target`` that is not a folder (a file) is refused before anything is written
+    (:class:`OutputError`): it is not an earlier output to replace.
     """
     target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise OutputError(
+            errno.ENOTDIR,
+            f"{target}: is a file, where a folder is to be written; nothing was written and "
+            "the file is as it was. Move it away (or choose another path) and rerun.",
+        )
     staging, retired = staging_path(target), _retired_path(target)
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -453,7 +461,15 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
         if target.exists():
             os.replace(target, retired)
             os.replace(staging, target)
-            shutil.rmtree(retired)
+            try:
+                shutil.rmtree(retired)
+            except OSError as err:
+                # The new output is in place by now: "cannot write it" would be untrue.
+                raise OutputError(
+                    err.errno,
+                    f"{target}: written, but its previous version, moved aside to {retired}, "
+                    f"could not be deleted ({err.strerror}); delete it yourself.",
+                ) from err
         else:
             os.replace(staging, target)
     except OSError as err:

@@ -13,7 +13,8 @@ directory, the one format the training stage writes and rollout / evaluate read:
 A consumer builds the configured backbone (the base checkpoint, with fresh adapters for LoRA)
 and reads the saved parameters into it in place, so loading never needs a second copy of the
 model. ``policy == "base"`` is the checkpoint that ``config.backbone.path`` names. Hub formats
-(a diffusers folder, a peft adapter) are written by :func:`export_policy`, on demand.
+(a diffusers folder, a peft adapter) are written by :func:`export_policy`, on demand, never
+over anything but a previous export of the same kind (:mod:`jagg_pipeline.io.exports`).
 
 Two loaders: :func:`load_policy`, the whole model in one process (tools, tests, the loop of
 rounds in one process), and :func:`load_sharded_policy`, what the ranks of the stages use:
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -228,30 +229,58 @@ def save_policy(backbone: Backbone, directory: str | Path) -> Path:
     return target
 
 
-def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a checkpoint's policy in a hub format into ``out`` (atomically); returns it.
+class Export(NamedTuple):
+    """What :func:`export_policy` wrote: the folder, and whether it replaced an earlier export."""
+
+    path: Path
+    replaced: bool
+
+
+def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Export:
+    """Write a checkpoint's policy in a hub format into ``out`` (atomically).
 
     LoRA: an adapter folder that diffusers' ``pipe.load_lora_weights``, peft's
     ``PeftModel.from_pretrained`` and :meth:`Backbone.load_lora` load onto the base model
     (:mod:`jagg_pipeline.backbones.lora`). Full fine-tuning: a diffusers
     pipeline folder, the base checkpoint's with the trained ``transformer/`` in its place,
-    loadable as ``backbone.path``. Reads the whole policy into this one process.
+    loadable as ``backbone.path``. Either carries its manifest (:mod:`jagg_pipeline.io.exports`).
+    Reads the whole policy into this one process. ``out`` is checked first
+    (:func:`~jagg_pipeline.io.exports.check_destination`: only a previous export of the same
+    kind is replaced, anything else that is there is refused, untouched) and again just
+    before the new export takes its place.
     """
     import shutil
 
     from jagg_pipeline.backbones.loading import resolve_checkpoint
     from jagg_pipeline.io.artifacts import atomic_directory
+    from jagg_pipeline.io.exports import STAGE, check_destination
+    from jagg_pipeline.io.manifest import write_manifest
 
+    kind = config.backbone.training
+    local = Path(config.backbone.path)
+    base = local if local.is_dir() else None  # a hub id's snapshot is in the hub's cache
+    check_destination(out, checkpoint, kind, base)
+    target = Path(out).resolve()  # a symlink's folder, not the link, is replaced
     backbone = _load(config, checkpoint, "cpu")  # in backbone.dtype, as trained
-    with atomic_directory(out) as staging:
-        if backbone.training_mode == "lora":
+    with atomic_directory(target) as staging:
+        if kind == "lora":
             backbone.save_lora(staging)
         else:
-            base = resolve_checkpoint(config.backbone)
-            for entry in base.iterdir():
-                if entry.name == "transformer":
+            # Hidden entries (.git, .cache, .gitattributes) are no part of the pipeline, and
+            # leaving them out keeps every file of the export listed in its manifest.
+            for entry in resolve_checkpoint(config.backbone).iterdir():
+                if entry.name == "transformer" or entry.name.startswith("."):
                     continue
-                copy = shutil.copytree if entry.is_dir() else shutil.copy2
-                copy(entry, staging / entry.name)
+                if entry.is_dir():
+                    shutil.copytree(
+                        entry, staging / entry.name, ignore=shutil.ignore_patterns(".*")
+                    )
+                else:
+                    shutil.copy2(entry, staging / entry.name)
             backbone.transformer.save_pretrained(staging / "transformer")
-    return Path(out)
+        inputs = {"policy": policy_weights_dir(checkpoint)}
+        write_manifest(staging, stage=STAGE, config=config, inputs=inputs, extra={"export": kind})
+        # The model took a while to load: whatever appeared at ``out`` meanwhile is checked
+        # as well, since the swap replaces it.
+        replaced = check_destination(out, checkpoint, kind, base)
+    return Export(target, replaced)
