@@ -293,9 +293,22 @@ class DigestingWriter:
             self._raw.close()
 
 
+def _fsync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to disk.
+
+    A file created or renamed into a folder survives a power cut only once the folder is
+    flushed too: the file's own fsync does not cover its name.
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
+    """Yield a temporary path beside ``path``; on success fsync it, rename it, fsync the folder.
 
     For writers that want a file name (parquet, safetensors, torch.save); on any error the
     temporary file is removed and ``path`` is left as it was (a full disk raises
@@ -327,6 +340,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
             raise _disk_full(target, err) from err
         _refuse_unwritable(target, err)
         raise
+    _fsync_folder(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: Any) -> Path:
@@ -406,7 +420,7 @@ def _retired_path(target: Path) -> Path:
 
 
 def _settle_tree(directory: str | os.PathLike[str]) -> None:
-    """Give everything under ``directory`` the umask's mode, then flush it and the directory.
+    """Give everything under ``directory`` the umask's mode, then flush its files and folders.
 
     The mode: writers of whole folders (safetensors' save_file under save_pretrained, the
     toy world's samples) leave private files, which the group could not read.
@@ -414,16 +428,16 @@ def _settle_tree(directory: str | os.PathLike[str]) -> None:
     directory = Path(directory)
     mask = umask()
     apply_umask(directory, mask)
+    folders = [directory]
     for path in sorted(directory.rglob("*")):
         apply_umask(path, mask)
-        if path.is_file():
+        if path.is_dir():
+            folders.append(path)  # its entries, renamed ones too (DCP's .metadata)
+        elif path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for folder in folders:
+        _fsync_folder(folder)
 
 
 @contextmanager
@@ -460,6 +474,7 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     except OSError as err:
         _refuse_unwritable(target, err)
         raise
+    _fsync_folder(target.parent)
 
 
 METRICS_NAME = "metrics.jsonl"
