@@ -7,6 +7,7 @@ key; and the command line refuses one in well under 5 s (the loader imports no t
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -209,6 +210,30 @@ def test_set_overrides_are_blamed_on_the_override_not_the_file(tmp_path):
     path.write_text("train: {lr: 0.001}\n")
     with pytest.raises(ConfigError, match=r"--set train\.lr=-1: train\.lr"):
         load_config(path, ["train.lr=-1"])
+
+
+# Valid together, each invalid with the defaults of the others (8 segment steps, window 4).
+TOGETHER = ["sampler.num_steps=2", "sampler.segment_steps=2", "jagg.window=2"]
+
+
+@pytest.mark.parametrize("order", itertools.permutations(TOGETHER), ids="|".join)
+def test_set_overrides_checked_against_each_other_may_come_in_any_order(tmp_path, order):
+    path = tmp_path / "ok.yaml"
+    path.write_text("train: {lr: 0.001}\n")
+    config = load_config(path, list(order))
+    assert (config.sampler.num_steps, config.sampler.segment_steps, config.jagg.window) == (2, 2, 2)
+
+
+def test_an_invalid_combination_of_set_overrides_names_the_key(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("train: {lr: 0.001}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, [*TOGETHER[:2], "jagg.window=3"])
+    # Blamed: the overrides of the keys the error names (the window, the steps it exceeds).
+    message = str(refused.value)
+    blamed, _, error = message.partition(": ")
+    assert blamed == "--set sampler.segment_steps=2 jagg.window=3", message
+    assert error.startswith("jagg.window: 3 is more than the 2 trained steps"), message
 
 
 def test_the_command_line_refuses_a_bad_config_within_seconds(tmp_path):

@@ -6,7 +6,9 @@
 - after a finished workflow run, a deleted round's scores and a deleted evaluation are
   rebuilt by the next run of the target, and the curves come out the same;
 - a command that cannot write its output says so in one line naming the path (a workflow
-  job's stderr is its log).
+  job's stderr is its log);
+- every rename of an atomic writer is followed by a flush of the folder it renamed into, so
+  that the new name survives a power cut.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +117,46 @@ def test_the_atomic_writers_name_the_output_they_cannot_write(tmp_path):
     with pytest.raises(OutputError) as refused:
         atomic_write_text(blocker / "sub/summary.json", "{}\n")
     assert refused.value.strerror.startswith(f"{blocker / 'sub'}: cannot write it")
+
+
+def test_every_rename_of_the_atomic_writers_is_followed_by_a_flush_of_its_folder(
+    tmp_path, monkeypatch
+):
+    """Files, folders (new, and replacing an old one) and a file renamed inside a staged
+    folder (DCP's .metadata): each rename's folder is fsynced after the rename."""
+    events: list[tuple[str, tuple[int, int]]] = []
+    fsync, replace, rename = os.fsync, os.replace, os.rename
+
+    def folder_key(path: Path) -> tuple[int, int]:
+        info = os.stat(path)
+        return info.st_dev, info.st_ino
+
+    def recording_fsync(fd: int) -> None:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            events.append(("flushed", (info.st_dev, info.st_ino)))
+        fsync(fd)
+
+    def recording(move):
+        def moved(source, destination):
+            move(source, destination)
+            events.append(("renamed", folder_key(Path(destination).parent)))
+
+        return moved
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording(replace))
+    monkeypatch.setattr(os, "rename", recording(rename))
+    atomic_write_text(tmp_path / "new/summary.json", "{}\n")
+    for _ in range(2):  # made, then replacing the first
+        with atomic_directory(tmp_path / "stage") as staging:
+            (staging / "policy").mkdir()
+            (staging / "policy/.metadata.tmp").write_text("keys\n")
+            os.rename(staging / "policy/.metadata.tmp", staging / "policy/.metadata")
+    renames = [index for index, (kind, _) in enumerate(events) if kind == "renamed"]
+    assert len(renames) == 1 + 2 + 3  # the file; per folder its .metadata, then the swap
+    unflushed = [events[i] for i in renames if ("flushed", events[i][1]) not in events[i + 1 :]]
+    assert unflushed == []
 
 
 @pytest.mark.slow

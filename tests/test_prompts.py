@@ -15,6 +15,22 @@ def test_txt_skips_blank_lines(tmp_path):
         load_prompts(path, column="prompt")
 
 
+# What str.splitlines takes for a line end besides \n and \r.
+SPLITLINES_ENDS = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
+
+
+@pytest.mark.parametrize("inside", SPLITLINES_ENDS, ids=ascii)
+def test_a_line_holding_a_unicode_line_separator_stays_one_prompt(tmp_path, inside):
+    prompts = [f"a red{inside}circle", "two cats"]
+    text = tmp_path / "p.txt"
+    text.write_text("\r\n".join(prompts) + "\n", encoding="utf-8", newline="")
+    assert load_prompts(text) == prompts
+    lines = tmp_path / "p.jsonl"
+    rows = [json.dumps({"prompt": prompt}, ensure_ascii=False) for prompt in prompts]
+    lines.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    assert load_prompts(lines) == prompts
+
+
 def test_json_and_jsonl_strings_or_objects(tmp_path):
     strings = tmp_path / "anime.json"  # HPDv2 benchmark files are JSON lists of strings
     strings.write_text(json.dumps(PROMPTS))

@@ -11,7 +11,8 @@
   it; a damaged or empty SQLite store fails `track` and `compare` naming the file (and is not
   started anew); a store that lost runs pushed to it is reported; a run whose files changed
   replaces its MLflow run, so that the comparison and the summary agree; in the workflow, a
-  failed push is retried by the next run of `comparison`, and its comparison with it.
+  failed push is retried by the next run of `comparison`, and its comparison with it;
+- more runs than one search returns (a page) are all read back.
 """
 
 from __future__ import annotations
@@ -392,6 +393,22 @@ def test_a_store_that_lost_pushed_runs_is_reported_not_started_anew(store, tmp_p
     ledger.unlink()  # the user's way to start over
     finish(cli(tmp_path, *push))
     assert set(read_back(uri, f"jagg-lost-{store}")) == {"all", "exact/seed-0", "jagg/seed-0"}
+
+
+def test_more_runs_than_a_search_page_are_all_found(tmp_path, monkeypatch):
+    """7 runs under one parent, searched 3 at a time: all are read back, none is missing."""
+    from jagg_pipeline.reports import mlflow_store
+    from jagg_pipeline.reports.tracker import RUN_KEY_TAG, RunRecord
+
+    monkeypatch.setattr(mlflow_store, "SEARCH_PAGE", 3)
+    tracker = mlflow_store.MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "jagg-pages")
+    keys = [f"all/exact/seed-{seed}" for seed in range(7)]
+    for seed, key in enumerate(keys):
+        tags = {RUN_KEY_TAG: key, "jagg_variant": "exact", "jagg_seed": str(seed)}
+        tracker.push(RunRecord(key, "all", key, {}, tags, [("train/loss", float(seed), 0)]))
+    runs = tracker.runs("all")
+    assert sorted((run.seed, run.metrics[0][1]) for run in runs) == [(s, s) for s in range(7)]
+    assert tracker.missing(keys) == []
 
 
 def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_path):

@@ -633,6 +633,35 @@ def test_sigkill_mid_round_then_rerun_equals_an_uninterrupted_run(tiny_sd3, tmp_
     train_helpers.assert_same_checkpoint(out, reference.checkpoint)
 
 
+def test_train_help_names_what_the_checkpoint_writer_writes(capsys):
+    """The output listing of ``train --help`` is the checkpoint's layout, as its constants
+    name it, and no other file name appears anywhere in the help."""
+    from jagg_pipeline.cli import main
+    from jagg_pipeline.io.artifacts import METRICS_NAME, POLICY_DIR
+    from jagg_pipeline.io.manifest import CONFIG_NAME, MANIFEST_NAME
+
+    trainer = ckpt.TRAINER_DIR
+    written = {
+        f"{POLICY_DIR}/",
+        f"{trainer}/{ckpt.STATE_FILE}",
+        f"{trainer}/{ckpt.OPTIMIZER_DIR}/",
+        f"{trainer}/{ckpt.EMA_DIR}/",
+        f"{trainer}/{ckpt.RNG_FILE}",
+        METRICS_NAME,
+        CONFIG_NAME,
+        MANIFEST_NAME,
+    }
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    listing = text.partition("output directory")[2]
+    entries = re.findall(r"^  ([^\s,]+(?:, [^\s,]+)*)", listing, flags=re.MULTILINE)
+    listed = {name for entry in entries for name in entry.split(", ")}
+    assert listed == written
+    files = set(re.findall(r"[\w.-]+\.(?:safetensors|distcp|jsonl?|ya?ml|bin|pt)\b", text))
+    assert files <= {name.rpartition("/")[2] for name in written}
+
+
 def test_train_command_documents_outputs_and_names_bad_inputs(tiny_sd3, tmp_path, capsys):
     from jagg_pipeline.cli import main
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from jagg_pipeline.config.run import LoraConfig  # the config type (torch-free); re-exported
+from jagg_pipeline.support.modes import apply_umask
 
 ADAPTER_NAME = "default"
 CONFIG_FILE = "adapter_config.json"
@@ -139,6 +140,9 @@ def save_lora(module: nn.Module, directory: str | Path, pipeline: str | None = N
             transformer_lora_adapter_metadata=json.loads(config.read_text()),
             weight_name=DIFFUSERS_FILE,
         )
+    # save_file makes its files private (0600): an adapter is for colleagues to load too.
+    for written in (WEIGHTS_FILE, DIFFUSERS_FILE) if pipeline is not None else (WEIGHTS_FILE,):
+        apply_umask(target / written)
     return target
 
 

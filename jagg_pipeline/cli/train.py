@@ -41,13 +41,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         epilog=textwrap.dedent(
             """\
-            output directory (the next round's --policy):
-              policy/                       LoRA adapters or transformer.safetensors
+            output directory (the next round's --policy; `export` writes its policy in a
+            hub format):
+              policy/                       the trainable weights (LoRA adapters or the
+                                            transformer), sharded: .metadata and one file
+                                            per writing rank (torch.distributed.checkpoint)
               trainer/state.json            round, optimizer steps, skipped steps, scheduler,
                                             routing and probed per-window cos-sims
-              trainer/optimizer.safetensors AdamW state (parameter names as keys)
+              trainer/optimizer/            AdamW state, sharded like the weights
+              trainer/ema/                  EMA of the trainable weights, sharded
+                                            (train.ema_decay set)
               trainer/rng.safetensors       the trainer's generator (minibatch shuffles)
-              trainer/ema.safetensors       EMA weights (train.ema_decay set)
               metrics.jsonl                 one line per optimizer step: loss, clipfrac,
                                             approx_kl, grad_norm, lr, reward stats, backward
                                             calls, windows, time (forward, backward,

@@ -506,14 +506,24 @@ def load_yaml(cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> 
 def load_data(
     cls: type[T], data: Mapping[str, Any], source: str, overrides: Sequence[str] = ()
 ) -> T:
-    """:func:`load_yaml` of data already read from ``source`` (errors name it, or the override)."""
+    """:func:`load_yaml` of data already read from ``source`` (errors name it, or the override).
+
+    The overrides are applied together and the result checked once: keys checked against each
+    other (``sampler.num_steps``, ``sampler.segment_steps``, ``jagg.window``) may be set in
+    any order. An error blames the overrides whose key it names, or else all of them.
+    """
     config = from_dict(cls, data, source=source)
-    for count, item in enumerate(overrides, start=1):
-        try:
-            config = from_dict(cls, apply_overrides(data, overrides[:count]))
-        except ConfigError as exc:
-            raise ConfigError(f"--set {item}: {exc}") from None
-    return config
+    if not overrides:
+        return config
+    try:
+        return from_dict(cls, apply_overrides(data, overrides))
+    except ConfigError as exc:
+        named = [
+            item
+            for item in overrides
+            if re.search(rf"(?<![\w.]){re.escape(item.partition('=')[0])}(?!\.?\w)", str(exc))
+        ]
+        raise ConfigError(f"--set {' '.join(named or overrides)}: {exc}") from None
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from jagg_pipeline.support.modes import apply_umask, umask
+
 # A policy is ``base`` (the backbone's own weights) or a checkpoint folder, which keeps its
 # weights in POLICY_DIR: the folder the consumers of a checkpoint digest and read.
 BASE = "base"
@@ -127,15 +129,6 @@ def make_folder(path: str | os.PathLike[str]) -> Path:
         _refuse_unwritable(folder, err)
         raise
     return folder
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,9 +293,22 @@ class DigestingWriter:
             self._raw.close()
 
 
+def _fsync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to disk.
+
+    A file created or renamed into a folder survives a power cut only once the folder is
+    flushed too: the file's own fsync does not cover its name.
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
+    """Yield a temporary path beside ``path``; on success fsync it, rename it, fsync the folder.
 
     For writers that want a file name (parquet, safetensors, torch.save); on any error the
     temporary file is removed and ``path`` is left as it was (a full disk raises
@@ -319,11 +325,12 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
         _refuse_unwritable(target, err)
         raise
     os.close(fd)
-    # mkstemp makes the file private (0600); results on a shared filesystem are for the group
-    # too, so give it the mode a plain open() would.
-    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield Path(tmp)
+        # mkstemp made the file private (0600), and a writer may have replaced it with another
+        # private one (safetensors' save_file does): outputs on a shared filesystem are for
+        # the group too, so it gets the mode a plain open() would have given it.
+        apply_umask(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -333,6 +340,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
             raise _disk_full(target, err) from err
         _refuse_unwritable(target, err)
         raise
+    _fsync_folder(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: Any) -> Path:
@@ -411,18 +419,25 @@ def _retired_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")
 
 
-def _fsync_tree(directory: str | os.PathLike[str]) -> None:
-    """Flush every file under ``directory`` and the directory itself."""
+def _settle_tree(directory: str | os.PathLike[str]) -> None:
+    """Give everything under ``directory`` the umask's mode, then flush its files and folders.
+
+    The mode: writers of whole folders (safetensors' save_file under save_pretrained, the
+    toy world's samples) leave private files, which the group could not read.
+    """
     directory = Path(directory)
+    mask = umask()
+    apply_umask(directory, mask)
+    folders = [directory]
     for path in sorted(directory.rglob("*")):
-        if path.is_file():
+        apply_umask(path, mask)
+        if path.is_dir():
+            folders.append(path)  # its entries, renamed ones too (DCP's .metadata)
+        elif path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for folder in folders:
+        _fsync_folder(folder)
 
 
 @contextmanager
@@ -449,7 +464,7 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     make_folder(staging)
     try:
         yield staging
-        _fsync_tree(staging)
+        _settle_tree(staging)
     except BaseException as err:
         full = not isinstance(err, DiskFullError) and _out_of_space(err, staging)
         shutil.rmtree(staging, ignore_errors=True)
@@ -475,6 +490,7 @@ def atomic_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
     except OSError as err:
         _refuse_unwritable(target, err)
         raise
+    _fsync_folder(target.parent)
 
 
 METRICS_NAME = "metrics.jsonl"

@@ -1,6 +1,7 @@
 """Prompt sets from local files: txt, json, jsonl, csv and parquet, with a column option.
 
-- ``.txt``: one prompt per line (blank lines skipped);
+- ``.txt``: one prompt per line (blank lines skipped; a line ends at a newline only, so a
+  prompt may hold U+2028 or a form feed);
 - ``.json``: a list of strings (HPDv2's benchmark files) or of objects with the column;
 - ``.jsonl``: one string or one object with the column per line;
 - ``.csv``: a header row; ``.parquet``: any table (needs pyarrow).
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jagg_pipeline.io.tables import TABLE_SUFFIXES, TableError, read_table, read_text
+from jagg_pipeline.io.tables import TABLE_SUFFIXES, TableError, read_lines, read_table
 from jagg_pipeline.support.errors import shown
 
 DEFAULT_COLUMN = "prompt"
@@ -60,7 +61,7 @@ def load_prompts(path: str | os.PathLike[str], column: str | None = None) -> lis
     if suffix == ".txt":
         if column is not None:
             raise PromptFileError(f"{path}: a .txt file has no columns (got column {column!r})")
-        prompts = [line.strip() for line in read_text(path).splitlines()]
+        prompts = [line.strip() for line in read_lines(path)]
         prompts = [p for p in prompts if p]
     elif suffix in TABLE_SUFFIXES:
         rows = read_table(path)

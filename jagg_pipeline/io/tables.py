@@ -56,6 +56,16 @@ def read_text(path: str | os.PathLike[str]) -> str:
         raise TableError(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
+def read_lines(path: str | os.PathLike[str]) -> list[str]:
+    r"""The lines of UTF-8 text file ``path`` (:func:`read_text`), split at line ends only.
+
+    Line ends are ``\n``, ``\r\n`` and ``\r`` (text mode reads all three as ``\n``).
+    ``str.splitlines`` would also split at U+2028, U+2029, U+0085, vertical tabs and form
+    feeds, which a prompt (or a JSON string) may hold: one line would become two.
+    """
+    return read_text(path).split("\n")
+
+
 def read_table(path: str | os.PathLike[str]) -> list[Any]:
     """Rows of a json/jsonl/csv/parquet file: dicts (or bare strings, for json/jsonl lists)."""
     path = Path(path)
@@ -72,7 +82,7 @@ def read_table(path: str | os.PathLike[str]) -> list[Any]:
         return rows
     if suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(read_text(path).splitlines(), 1):
+        for number, line in enumerate(read_lines(path), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

@@ -47,6 +47,8 @@ from jagg_pipeline.reports.tracker import (
 # MLflow's limits per log_batch call.
 BATCH_METRICS = 1000
 BATCH_PARAMS = 100
+# Runs per search request (MLflow's default page).
+SEARCH_PAGE = 1000
 PARENT_TAGS = ("jagg_version", "snakemake_target", "git_commit")
 # Three tries of at most 5 s each, 1 + 2 s apart: a server that refuses connections fails
 # `track` in about 5 s, one that never answers in about 25 s (MLflow's defaults: 7 retries,
@@ -153,15 +155,26 @@ class MlflowTracker:
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _search(self, tag: str, value: str) -> list:
+        """Every active run of the experiment whose ``tag`` is ``value``, oldest first.
+
+        Page by page: one search returns at most a page, silently leaving out the rest.
+        """
         if self.experiment_id is None:  # no store or no experiment: no runs
             return []
-        return self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.{tag} = '{value}'",
-            run_view_type=ViewType.ACTIVE_ONLY,
-            order_by=["attributes.start_time ASC"],
-            max_results=1000,
-        )
+        found, token = [], None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.{tag} = '{value}'",
+                run_view_type=ViewType.ACTIVE_ONLY,
+                order_by=["attributes.start_time ASC"],
+                max_results=SEARCH_PAGE,
+                page_token=token,
+            )
+            found += page
+            token = page.token
+            if not token:
+                return found
 
     def _parent(self, record: RunRecord) -> str:
         runs = self._search(PARENT_TAG, record.experiment)
