@@ -571,13 +571,16 @@ def _runs(experiment):
 
 
 def target_files(experiment):
-    """What a target that includes ``experiment`` asks for: its comparison page (after the
-    push to MLflow it is read back from), and every file its runs keep (:func:`run_files`,
-    :func:`lost_records`), so that a finished target notices a deleted one. The page also
-    retries a failed push: tracked.json is gone after one (Snakemake removes a failed job's
-    outputs), and the comparison with it.
+    """What a target that includes ``experiment`` asks for: its comparison page, the push to
+    MLflow the page is read back from, and every file its runs keep (:func:`run_files`,
+    :func:`lost_records`), so that a finished target notices a deleted one. Asking for
+    tracked.json retries a failed push: it is gone after one (Snakemake removes a failed
+    job's outputs), and Snakemake remakes a missing intermediate only when asked for it.
     """
-    files = [f"{RESULTS}/comparison/{experiment}/index.html"]
+    files = [
+        f"{RESULTS}/{experiment}/tracking/tracked.json",
+        f"{RESULTS}/comparison/{experiment}/index.html",
+    ]
     for run in _runs(experiment):
         files += run_files(run) + lost_records(run)
         force_lost_blocks(run)
