@@ -67,8 +67,11 @@ rule comparison:
 
 
 # One target rule per experiment and evaluation of the config, named as it is: `snakemake
-# NAME` runs it (tracked, after its summary). `all` is the default target when it exists.
-for _name in [*WORKFLOW.experiments, *WORKFLOW.evaluations]:
+# NAME` runs it (tracked, after its summary). The default target is `all` when it exists,
+# else the config's first experiment (never the benchmark, the first rule of this file).
+_TARGETS = [*WORKFLOW.experiments, *WORKFLOW.evaluations]
+_DEFAULT_TARGET = "all" if "all" in _TARGETS else next(iter(_TARGETS), None)
+for _name in _TARGETS:
     if _name in {rule.name for rule in workflow.rules}:
         raise ValueError(
             f"workflow: the target {_name!r} is also a rule of the workflow "
@@ -79,7 +82,7 @@ for _name in [*WORKFLOW.experiments, *WORKFLOW.evaluations]:
     rule:
         name:
             _name
-        default_target: _name == "all"
+        default_target: _name == _DEFAULT_TARGET
         input:
             experiment_target(_name),
         localrule: True

@@ -95,6 +95,19 @@ def test_an_experiment_target_ends_with_its_comparison_page(tmp_path):
     assert {"track": 1, "compare": 1}.items() <= job_counts(plan.stdout).items()
 
 
+def test_without_an_all_experiment_the_default_target_is_the_first_experiment(tmp_path):
+    """Plain `snakemake` runs the config's first experiment, never the benchmark."""
+    data = copy.deepcopy(REDUCED)
+    experiment = data["workflow"]["experiments"].pop("all")
+    data["workflow"]["experiments"] = {"mine": experiment, "other": copy.deepcopy(experiment)}
+    data["workflow"]["comparison"] = ["mine"]
+    write_config(tmp_path, data)
+    plan = snakemake(tmp_path, "--dry-run", timeout=120)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    counts = job_counts(plan.stdout)
+    assert counts.get("mine") == 1 and "bench" not in counts and "other" not in counts, counts
+
+
 STAGES = ("rollout", "score", "train", "evaluate")
 
 
