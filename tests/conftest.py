@@ -33,6 +33,22 @@ def float64():
     torch.set_default_dtype(previous)
 
 
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every matplotlib figure saved while the test runs, in order (still open to read back)."""
+    from matplotlib.figure import Figure
+
+    figures: list[Figure] = []
+    original = Figure.savefig
+
+    def record(self, *args, **kwargs):
+        figures.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return figures
+
+
 # The toy world that integration tests share: the default build (about 5 minutes on two
 # cores), so that what the tests show about GRPO on it holds for the default experiment.
 @pytest.fixture(scope="session")

@@ -6,9 +6,7 @@ no band; several seeds keep mean +- std. Round axes are ticked at whole numbers.
 
 from __future__ import annotations
 
-import pytest
 from matplotlib.collections import PolyCollection
-from matplotlib.figure import Figure
 
 from jagg_pipeline.reports import summary
 from jagg_pipeline.reports.compare import plot_speed, speedups, update_seconds, write_comparison
@@ -26,20 +24,6 @@ def _run(variant: str, seed: int, rise: float) -> RunMetrics:
         )
     evaluations = {0: {"toy": 0.1}, 1: {"toy": 0.1 + rise}}
     return RunMetrics(variant, seed, lines=lines, evaluations=evaluations)
-
-
-@pytest.fixture
-def saved_figures(monkeypatch):
-    """Every matplotlib figure saved while the test runs (still open to read back)."""
-    figures: list[Figure] = []
-    original = Figure.savefig
-
-    def record(self, *args, **kwargs):
-        figures.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", record)
-    return figures
 
 
 def _assert_integer_ticks(axis) -> None:

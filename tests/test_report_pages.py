@@ -78,20 +78,6 @@ def six_variants() -> list[RunMetrics]:
     ]
 
 
-@pytest.fixture
-def saved_figures(monkeypatch):
-    """Every matplotlib figure saved while the test runs, in order (open to read back)."""
-    figures: list[Figure] = []
-    original = Figure.savefig
-
-    def record(self, *args, **kwargs):
-        figures.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", record)
-    return figures
-
-
 def _compare(runs: list[RunMetrics], out: Path, figures: list[Figure]) -> dict[str, Figure]:
     """``write_comparison`` of ``runs`` into ``out``; its figures by image name."""
     write_comparison(runs, out, "test", "synthetic runs")

@@ -43,10 +43,6 @@ def _refuse(out: Path, why: str, fix: str = _FRESH) -> DestinationError:
     return DestinationError(f"--out {out}: {why}; {fix}")
 
 
-def _within(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def check_destination(
     out: str | Path, checkpoint: str | Path, kind: str, base: str | Path | None = None
 ) -> bool:
@@ -62,7 +58,7 @@ def check_destination(
     """
     given, target = Path(out), Path(out).resolve()
     for folder, name in ((Path.cwd(), "the current folder"), (Path.home(), "the home folder")):
-        if _within(folder.resolve(), target):
+        if folder.resolve().is_relative_to(target):
             what = name if target == folder.resolve() else f"a folder holding {name}"
             raise _refuse(given, f"is {what} ({target})")
     ckpt = Path(checkpoint).resolve()
@@ -76,7 +72,7 @@ def check_destination(
         )
     if target in ckpt.parents:
         raise _refuse(given, f"holds the checkpoint being exported ({ckpt})")
-    if base is not None and _within(target, Path(base).resolve()):
+    if base is not None and target.is_relative_to(Path(base).resolve()):
         raise _refuse(given, f"is the base checkpoint (backbone.path) or inside it ({base})")
     if not target.exists():
         return False
