@@ -6,8 +6,9 @@
   the node's GPUs, and its command starts the agents with srun and a c10d rendezvous on the
   job's first node (a dry run; a two-node SLURM cannot run here), and the sbatch call the
   plugin builds from those resources says so;
-- that command is valid bash which, with SLURM_JOB_NODELIST hidden as the plugin's job step
-  hides it, takes the first node from squeue (srun, squeue and scontrol stubbed);
+- its launch command, with SLURM_JOB_NODELIST hidden as the plugin's job step hides it,
+  takes the first node from squeue and starts one agent per node through srun (srun,
+  squeue and scontrol stubbed);
 - locally, a multi-node job is refused before anything runs.
 """
 
@@ -211,63 +212,93 @@ def test_on_slurm_a_two_node_training_asks_for_the_nodes_and_runs_srun_with_c10d
         if job["wildcards"]["variant"] == "exact":  # one node, one process: as before
             assert resources["nodes"] == "1" and resources["gpu"] == "1", job
             assert not {"tasks", "mpi", "gres", "tasks_per_gpu"} & resources.keys(), job
-            assert f"{sys.executable} -m jagg_pipeline {rule}" in shell, job
+            assert f"{sys.executable} -m jagg_pipeline launch {rule} --config" in shell, job
             continue
         # Two nodes, one task (torchrun agent) per node with the node's 2 GPUs and 2 cores.
         assert resources["nodes"] == "2" and resources["tasks"] == "2", job
         assert resources["gres"] == "gpu:2" and "gpu" not in resources, job
         assert resources["mpi"] == "srun" and resources["tasks_per_gpu"] == "0", job
         assert job["threads"] == 2 and resources["cpus_per_task"] == "2", job
-        launch = (
-            "OMP_NUM_THREADS=1 srun --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task 2"
-            f" --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run --nnodes 2"
-            " --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint"
-            ' "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs'
-            ' "$SLURM_JOB_ID" --format %N)}" | head -n 1):$((29500 + SLURM_JOB_ID % 10000))"'
-            f' --rdzv_id "$SLURM_JOB_ID" -m jagg_pipeline {rule}'
-        )
-        assert launch in shell, job
-        assert "--standalone" not in shell, job
+        # The world size is read by the launch at run time (so it reruns nothing).
+        assert f"{sys.executable} -m jagg_pipeline launch {rule} --config" in shell, job
 
         sbatch = _sbatch_call(resources, job["threads"]).split()
         assert {"--nodes=2", "--ntasks=2", "--cpus-per-task=2", "--gres=gpu:2"} <= set(sbatch)
         assert not [flag for flag in sbatch if flag.startswith(("--gpus", "--ntasks-per-gpu"))]
 
 
-def test_the_launch_command_asks_squeue_for_the_nodes_when_slurm_hides_them(
-    two_node_plan, tmp_path
-):
-    """The plugin's job step passes SLURM_JOB_ID alone of SLURM's variables: the rendezvous
-    endpoint expands to the first node of the job's node list from squeue, and a port from
-    the job id."""
-    shell = next(
-        job["shell"]
-        for job in two_node_plan
-        if job["wildcards"]["variant"] == "jagg" and job["rule"] == "train"
-    ).removeprefix("Shell command: ")
-    launch = shell.split(" -m jagg_pipeline train")[0]
-    # Stand-ins for srun, squeue and scontrol print what they were given.
+# A train command of the jagg variant of _two_node_config, as its run config would give it.
+TWO_NODE_TRAIN = ["train", "--config", "config.yaml", "--set", "train.nodes=2"]
+TWO_NODE_TRAIN += ["--set", "train.nproc=2", "--set", "sampler.prompts_per_round=4"]
+TWO_NODE_TRAIN += ["--set", "sampler.batch_size=4", "--out", "ckpt"]
+
+
+def test_the_launch_asks_squeue_for_the_nodes_when_slurm_hides_them(tmp_path):
+    """The plugin's job step passes SLURM_JOB_ID alone of SLURM's variables: the launch of a
+    two-node job runs srun with one launch per node, given the rendezvous endpoint (the
+    first node of the job's node list from squeue, a port from the job id); each of those
+    becomes a torchrun agent of 2 processes joined by c10d (srun, squeue, scontrol stubbed).
+    """
+    _two_node_config(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         "srun": 'printf "%s\\n" "$@"',
-        "squeue": 'echo "gpu[07-08]"',
+        "squeue": 'test "$*" = "--noheader --jobs=123456 --format=%N" && echo "gpu[07-08]"',
         "scontrol": 'test "$*" = "show hostnames gpu[07-08]" && printf "gpu07\\ngpu08\\n"',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123456"}
+    stage = TWO_NODE_TRAIN
+
+    def launch(*args: str) -> list[str]:
+        ran = subprocess.run(
+            [sys.executable, "-m", "jagg_pipeline", "launch", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ran.returncode == 0, ran.stderr
+        return ran.stdout.splitlines()
+
+    srun = launch(*stage)  # the stub srun prints its arguments
+    per_node = [sys.executable, "-m", "jagg_pipeline", "launch", "--rendezvous=gpu07:32956"]
+    # 32956 = 29500 + 123456 % 10000
+    assert srun == [
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=2",
+        "--kill-on-bad-exit=1",
+        *per_node,
+        *stage,
+    ]
+    agent = launch("--dry-run", *per_node[4:], *stage)
+    assert len(agent) == 1
+    assert agent[0].endswith(
+        f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=2"
+        " --rdzv-backend=c10d --rdzv-endpoint=gpu07:32956 --rdzv-id=123456"
+        f" -m jagg_pipeline {' '.join(stage)}"
+    )
+    assert "MKL_NUM_THREADS=1 " in agent[0] and "OMP_NUM_THREADS=1 " in agent[0]
+
+
+def test_a_multi_node_launch_outside_slurm_says_what_to_use(tmp_path):
+    _two_node_config(tmp_path)
     ran = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", launch],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "123456"},
+        [sys.executable, "-m", "jagg_pipeline", "launch", *TWO_NODE_TRAIN],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=60,
     )
-    assert ran.returncode == 0, ran.stderr
-    args = ran.stdout.splitlines()
-    assert args[args.index("--rdzv_endpoint") + 1] == "gpu07:32956"  # 29500 + 123456 % 10000
-    assert args[args.index("--rdzv_id") + 1] == "123456"
+    assert ran.returncode == 1
+    assert "SLURM_JOB_ID is not set" in ran.stderr and "--profile" in ran.stderr
 
 
 def test_a_multi_node_training_is_refused_without_a_cluster(tmp_path):

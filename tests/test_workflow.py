@@ -233,19 +233,20 @@ def test_each_prompt_pool_is_encoded_once_for_every_run_and_round_that_share_it(
     assert "--conditioning" not in plan and "results/conditioning" not in plan
 
 
-def test_train_rule_launches_torchrun_for_several_processes(tmp_path):
+def test_train_rule_leaves_the_world_size_to_the_launch_command(tmp_path):
+    """Every train job starts through `launch`, which reads train.nproc at run time: the
+    plan spells no world size, so changing it changes no job (tests/test_world_size.py)."""
     data = json.loads(json.dumps(REDUCED))
     variant = data["workflow"]["experiments"]["all"]["variants"]["jagg"]
     # Two ranks need two rollout micro-batches (a config check): batches of one group.
     variant |= {"train": {"nproc": 2}, "sampler": {"batch_size": 4}}
     write_config(tmp_path, data)
     plan = snakemake(tmp_path, "all", "--dry-run", "--printshellcmds", timeout=120).stdout
-    trains = [line for line in plan.splitlines() if " -m jagg_pipeline train" in line]
+    trains = [line for line in plan.splitlines() if " -m jagg_pipeline launch train" in line]
     assert len(trains) == 4
-    launchers = {"jagg" if "/jagg/" in t else "exact": "--nproc_per_node 2" in t for t in trains}
-    assert launchers == {"jagg": True, "exact": False}
-    launcher = f"{sys.executable} -m torch.distributed.run --standalone"
-    assert all(launcher in t for t in trains if "/jagg/" in t)
+    assert {"/jagg/" in t for t in trains} == {True, False}
+    assert all(f"{sys.executable} -m jagg_pipeline launch train --config " in t for t in trains)
+    assert not [t for t in trains if "nproc" in t or "torch.distributed" in t]
 
 
 BAD_CONFIGS = {

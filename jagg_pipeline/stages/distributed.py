@@ -17,6 +17,7 @@ ever holds the whole model or optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from jagg_pipeline.backbones.base import Backbone
 from jagg_pipeline.io.shards import local_tensor
 from jagg_pipeline.support.errors import InputError
+from jagg_pipeline.support.lifetime import RANK_THREADS_ENV
 
 # Frozen parameters (a LoRA base model, dead modules) never change: the base checkpoint has them.
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
@@ -116,6 +118,7 @@ def distributed(device: str = "cpu") -> Iterator[DistContext]:
     does). If a process group already exists (e.g. a caller runs several rounds in one
     process), it is used and left alone.
     """
+    pin_rank_threads()
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     created = not dist.is_initialized()
     torchrun = launched_by_torchrun()
@@ -138,6 +141,21 @@ def distributed(device: str = "cpu") -> Iterator[DistContext]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def pin_rank_threads() -> None:
+    """Size torch's thread pools as the launch command asked (:data:`RANK_THREADS_ENV`).
+
+    Its environment already pins OpenMP and MKL; the pools are set here too, so that no
+    reduction's order depends on the cores the job was given.
+    """
+    threads = os.environ.get(RANK_THREADS_ENV)
+    if threads is None:
+        return
+    torch.set_num_threads(int(threads))
+    # Only settable before the process's first inter-op work.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(int(threads))
 
 
 def all_reduce_sum(values: Sequence[float]) -> list[float]:

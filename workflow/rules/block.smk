@@ -20,7 +20,7 @@ rule block:
         "../../envs/pipeline.yaml"
     container:
         CONTAINERS.pipeline
-    # One core per process of the training ranks, each on one OpenMP thread (as train).
+    # One core per process of the training ranks, each on one thread (as train).
     threads: ranks_threads
     resources:
         mem_mb=16000,
@@ -38,14 +38,14 @@ rule block:
         run=run_folder,
         policy=block_policy,
         device=backbone_device,
-        launcher=ranks_launcher,
+        python=PYTHON,
         digest=block_digest,
         rounds=block_rounds,
         keep=block_kept,
         evaluate=block_evaluations,
         conditioning=block_conditioning_arguments,
     shell:
-        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline block"
+        "{params.python:q} -m jagg_pipeline launch block"
         " --config {params.config:q} --set backbone.device={params.device:q}"
         " --policy {params.policy:q} --run-dir {params.run:q} --rounds {params.rounds}"
         " --keep {params.keep} --evaluate {params.evaluate} {params.conditioning:q}"

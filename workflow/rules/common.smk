@@ -5,7 +5,6 @@
 import functools
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -262,38 +261,6 @@ def train_inputs(wildcards):
         scores=f"{round_folder(run, round_index)}/scores",
     )
     return inputs
-
-
-# The c10d rendezvous of a multi-node training job: on the job's first node (the plugin's
-# job step passes SLURM_JOB_ID but not SLURM_JOB_NODELIST to the command, so the node list
-# comes from squeue then), at torchrun's default port plus the job id modulo 10000 (two jobs
-# that share a first node do not collide).
-_HEAD_NODE = (
-    'scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs '
-    '"$SLURM_JOB_ID" --format %N)}" | head -n 1'
-)
-_RDZV_ENDPOINT = f'"$({_HEAD_NODE}):$((29500 + SLURM_JOB_ID % 10000))"'
-
-
-def ranks_launcher(wildcards):
-    """How a job over the training ranks starts (train, rollout, evaluate: every rank runs
-    the FSDP2-sharded policy): the plain interpreter for one process; torchrun --standalone
-    over train.nproc processes on one node; for train.nodes > 1 (a SLURM job), srun starting
-    one torchrun agent per node (train.nproc processes each), joined by a c10d rendezvous on
-    the job's first node."""
-    train = run_of(wildcards).config.train
-    python = shlex.quote(PYTHON)
-    if train.nodes > 1:
-        return (
-            f"srun --nodes {train.nodes} --ntasks {train.nodes} --ntasks-per-node 1"
-            f" --cpus-per-task {train.nproc} --kill-on-bad-exit=1"
-            f" {python} -m torch.distributed.run --nnodes {train.nodes}"
-            f" --nproc_per_node {train.nproc} --rdzv_backend c10d"
-            f' --rdzv_endpoint {_RDZV_ENDPOINT} --rdzv_id "$SLURM_JOB_ID"'
-        )
-    if train.nproc > 1:
-        return f"{python} -m torch.distributed.run --standalone --nproc_per_node {train.nproc}"
-    return python
 
 
 def evaluate_inputs(wildcards):

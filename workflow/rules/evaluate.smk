@@ -32,11 +32,11 @@ rule evaluate:
         config=run_config_file,
         policy=evaluate_policy,
         device=backbone_device,
-        launcher=ranks_launcher,
+        python=PYTHON,
         digest=evaluate_digest,
         conditioning=evaluate_conditioning_arguments,
     shell:
-        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline evaluate"
+        "{params.python:q} -m jagg_pipeline launch evaluate"
         " --config {params.config:q} --set backbone.device={params.device:q}"
         " --policy {params.policy:q} {params.conditioning:q}"
         " --out {output.metrics:q} > {log:q} 2>&1"

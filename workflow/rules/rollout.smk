@@ -20,7 +20,7 @@ rule rollout:
     container:
         CONTAINERS.pipeline
     # Every process of the training ranks samples its share with the sharded policy (one
-    # core and OpenMP thread each).
+    # core and thread each).
     threads: ranks_threads
     resources:
         mem_mb=8000,
@@ -37,11 +37,11 @@ rule rollout:
         config=run_config_file,
         policy=rollout_policy,
         device=backbone_device,
-        launcher=ranks_launcher,
+        python=PYTHON,
         digest=rollout_digest,
         conditioning=rollout_conditioning_arguments,
     shell:
-        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline rollout"
+        "{params.python:q} -m jagg_pipeline launch rollout"
         " --config {params.config:q} --set backbone.device={params.device:q}"
         " --policy {params.policy:q} --round {wildcards.round:q}"
         " {params.conditioning:q} --out {output.rollout:q} > {log:q} 2>&1"

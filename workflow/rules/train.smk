@@ -17,7 +17,7 @@ rule train:
     container:
         CONTAINERS.pipeline
     # One core per process (torchrun starts train.nproc of them on each node), each on one
-    # OpenMP thread.
+    # thread (`launch` pins every thread count: the bytes must not depend on --cores).
     threads: ranks_threads
     resources:
         mem_mb=16000,
@@ -34,10 +34,10 @@ rule train:
         config=run_config_file,
         policy=rollout_policy,
         device=backbone_device,
-        launcher=ranks_launcher,
+        python=PYTHON,
         digest=train_digest,
     shell:
-        "OMP_NUM_THREADS=1 {params.launcher} -m jagg_pipeline train"
+        "{params.python:q} -m jagg_pipeline launch train"
         " --config {params.config:q} --set backbone.device={params.device:q}"
         " --policy {params.policy:q} --rollouts {input.rollouts:q} --scores {input.scores:q}"
         " --out {output.checkpoint:q} > {log:q} 2>&1"
