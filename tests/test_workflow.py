@@ -173,7 +173,9 @@ def test_a_rounds_training_digest_reads_its_own_learning_rates(schedule):
 
 
 def _commands(plan: str, stage: str) -> list[str]:
-    return [line for line in plan.splitlines() if f" -m jagg_pipeline {stage} " in line]
+    # Stages over the training ranks start through the launch command.
+    starts = (f" -m jagg_pipeline {stage} ", f" -m jagg_pipeline launch {stage} ")
+    return [line for line in plan.splitlines() if any(start in line for start in starts)]
 
 
 def _conditioning_of(command: str) -> str | None:
