@@ -1,23 +1,44 @@
 # The two commands a fresh machine needs: `make run` (the main job) and `make test`.
-# Both create .venv on first use; every pip call goes through constraints.txt so that no
-# later package can move the pinned torch/torchvision pair.
+# Both create .venv on first use and install it from the committed lock (envs/install.sh
+# pipeline: requirements.lock, exact versions with hashes); `make lock` rewrites the locks
+# from pyproject.toml.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/pip install --constraint constraints.txt
 STAMP := $(VENV)/.installed
 RESULTS := results
 
-.PHONY: run test lint format clean slurm-profile
+.PHONY: run test lint format clean slurm-profile lock
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml requirements.lock requirements-hpsv2.lock envs/install.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.14.1 torchvision==0.29.1
-	$(PIP) --editable '.[dev]'
-	# hpsv2 (a test reference only) pins protobuf<4 and old pytest: install it without deps.
-	$(PIP) --no-deps hpsv2==1.2.0
+	PYTHON=$(BIN)/python envs/install.sh pipeline --editable
 	touch $@
+
+# Every requirements*.lock, resolved by uv for Linux x86_64 and Python 3.11 (the images, the
+# clusters, CI) with the hashes of every file of each pinned release:
+#   requirements.lock          pyproject.toml with its extras (torch's CUDA build, from PyPI)
+#   requirements-cpu.lock      the same pins, torch and torchvision from PyTorch's CPU index
+#   requirements-summary.lock  envs/summary.in at requirements.lock's versions
+#   requirements-hpsv2.lock    envs/hpsv2.in, without dependencies
+# A pin that still fits pyproject.toml stays; `make lock UPGRADE=1` moves every pin to the
+# newest release within its bounds.
+LOCK_FLAGS := --quiet --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
+	$(if $(UPGRADE),--upgrade)
+PINS := $(VENV)/lock-pins.txt
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/uv || $(BIN)/pip install uv
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --all-extras pyproject.toml -o requirements.lock
+# The pins alone (no hashes: those of torch's CPU build differ) constrain the other locks.
+	sed -n 's/^\([A-Za-z0-9][^ ]*==[^ ]*\).*/\1/p' requirements.lock > $(PINS)
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --no-deps envs/hpsv2.in -o requirements-hpsv2.lock
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --constraint $(PINS) envs/summary.in \
+	    -o requirements-summary.lock
+	$(BIN)/uv pip compile $(LOCK_FLAGS) --constraint $(PINS) --torch-backend cpu --all-extras \
+	    pyproject.toml -o requirements-cpu.lock
 
 # The default experiment (config.yaml, target `all`) through the Snakemake workflow: the toy
 # world build, rounds of rollout -> score -> train per variant, evaluations, the comparison

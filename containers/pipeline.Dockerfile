@@ -1,18 +1,24 @@
-# The stages' image (toyworld, rollout, score, train, evaluate): envs/pipeline.yaml as a
-# container, torch and torchvision pinned by constraints.txt. From the repository root:
+# The stages' image (toyworld, rollout, score, train, evaluate), installed from the lock by
+# envs/install.sh like every other install. From the repository root:
 #   docker build -f containers/pipeline.Dockerfile -t jagg-pipeline:0.1.0 .
-# For a GPU cluster the same pins pull CUDA wheels from PyPI; add the driver at run time
-# (apptainer --nv, docker --gpus all).
+# That is requirements.lock, torch's CUDA build from PyPI, for GPU clusters: add the driver at
+# run time (apptainer --nv, docker --gpus all). The CPU image (tests, CPU-only machines) is
+# requirements-cpu.lock, torch's CPU build:
+#   docker build -f containers/pipeline.Dockerfile --build-arg FAMILY=pipeline-cpu \
+#       -t jagg-pipeline-cpu:0.1.0 .
 FROM python:3.11-slim-bookworm
+
+# pipeline | pipeline-cpu (envs/install.sh)
+ARG FAMILY=pipeline
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     HF_HUB_DISABLE_TELEMETRY=1
 
 WORKDIR /opt/jagg-pipeline
-COPY constraints.txt pyproject.toml README.md ./
+COPY requirements*.lock pyproject.toml README.md ./
+COPY envs/install.sh ./envs/
 COPY jagg_pipeline ./jagg_pipeline
-RUN pip install --no-cache-dir --constraint constraints.txt torch==2.14.1 torchvision==0.29.1 \
-    && pip install --no-cache-dir --constraint constraints.txt .
+RUN envs/install.sh "$FAMILY"
 
 ENTRYPOINT ["python", "-m", "jagg_pipeline"]

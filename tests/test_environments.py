@@ -1,6 +1,7 @@
 """Per-rule environments and containers: every rule that runs a command names a conda env and a
-container of one family that exist, the pins agree with constraints.txt, the Dockerfiles pass
-hadolint, and the summary family really runs without torch.
+container of one family that exist; every env, image and the Makefile install from the
+committed locks through envs/install.sh and pin nothing themselves; the Dockerfiles pass
+hadolint; and the summary family runs with its lock's packages alone.
 
 Conda and Apptainer cannot be installed on the CI machines, so what can be checked
 without building them is checked here.
@@ -11,19 +12,23 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from fnmatch import fnmatch
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import yaml
+from packaging.utils import canonicalize_name
+from test_dependencies import pins
 from workflow_helpers import ROOT
 
 from jagg_pipeline.workflow.experiments import ContainersConfig
 
 RULE = re.compile(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", re.MULTILINE)
 DIRECTIVE = r"^    {name}:\n\s+(.+)$"
-PIN = re.compile(r"\b([A-Za-z0-9_.-]+)==([0-9][A-Za-z0-9_.+-]*)")
 FAMILIES = ("pipeline", "summary")
 # Imports the summary family's environment does not have.
 MODEL_LIBRARIES = ("torch", "torchvision", "diffusers", "transformers", "open_clip", "safetensors")
+INSTALLER = "envs/install.sh"
 
 
 def shell_rules() -> dict[str, tuple[Path, str]]:
@@ -58,39 +63,76 @@ def test_every_rule_names_an_env_and_a_container_of_one_family_that_exist():
     assert {f.stem for f in (ROOT / "envs").glob("*.yaml")} == set(FAMILIES)
 
 
-def constraint_pins() -> dict[str, str]:
-    lines = (ROOT / "constraints.txt").read_text().splitlines()
-    return dict(PIN.search(line).groups() for line in lines if PIN.search(line))
+def family_locks() -> dict[str, list[str]]:
+    """envs/install.sh's families: name -> the locks it installs, in order."""
+    text = (ROOT / INSTALLER).read_text()
+    return {
+        family: locks.split()
+        for family, locks in re.findall(
+            r"^\s+([\w-]+)\)\s*(?:#.*\n\s*)?locks=\(([^)]*)\)", text, re.M
+        )
+    }
 
 
-def test_envs_and_images_pin_what_constraints_pins():
-    pins = constraint_pins()
-    assert {"torch", "torchvision"} <= set(pins)
-    files = [
-        *(ROOT / "envs").glob("*.yaml"),
-        *(ROOT / "containers").iterdir(),
-        ROOT / "Makefile",
-    ]
-    seen = set()
-    for path in files:
-        for package, version in PIN.findall(path.read_text()):
-            if package in pins:
-                assert version == pins[package], f"{path.name} pins {package}=={version}"
-                seen.add(path.name)
-    # The torch family pins torch everywhere it installs it; and through constraints.txt.
-    assert {"pipeline.yaml", "pipeline.Dockerfile", "pipeline.def", "Makefile"} <= seen
+def test_install_sh_installs_each_family_from_committed_locks():
+    locks = family_locks()
+    assert set(locks) == {"pipeline", "pipeline-cpu", "summary"}
+    assert locks["pipeline"] == ["requirements.lock", "requirements-hpsv2.lock"]
+    for family in FAMILIES:
+        for lock in locks[family]:
+            assert (ROOT / lock).is_file(), f"{family}: {lock} is not committed (make lock)"
+    text = (ROOT / INSTALLER).read_text()
+    assert "--require-hashes --no-deps" in text
+
+
+def test_every_env_and_image_and_the_makefile_install_through_install_sh():
+    locks = family_locks()
+    makefile = (ROOT / "Makefile").read_text()
+    stamp = re.search(r"^\$\(STAMP\): (.*)\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert {"pyproject.toml", *locks["pipeline"], INSTALLER} <= set(stamp.group(1).split())
+    assert f"{INSTALLER} pipeline --editable" in stamp.group(2)
     for family in FAMILIES:
         env = yaml.safe_load((ROOT / f"envs/{family}.yaml").read_text())
         assert "python=3.11" in env["dependencies"]
+        # The yaml installs the package alone; its post-deploy script installs the lock.
         pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-        for recipe in (f"{family}.Dockerfile", f"{family}.def"):
-            text = (ROOT / "containers" / recipe).read_text()
-            assert "python:3.11-slim-bookworm" in text, recipe
-            assert "--constraint constraints.txt" in text, recipe
+        assert pip == ["--no-deps", "--editable .."], family
+        deploy = (ROOT / f"envs/{family}.post-deploy.sh").read_text()
+        assert f'/envs/install.sh" {family} --editable' in deploy, family
+
+        dockerfile = (ROOT / f"containers/{family}.Dockerfile").read_text()
+        copied = [
+            source
+            for line in re.findall(r"^COPY (.+)$", dockerfile, re.MULTILINE)
+            for source in line.split()[:-1]
+        ]
+        run = re.findall(r"^RUN (.+)$", dockerfile, re.MULTILINE)
+        assert run == [
+            f'{INSTALLER} "$FAMILY"' if family == "pipeline" else f"{INSTALLER} {family}"
+        ]
         if family == "pipeline":
-            assert "--constraint ../constraints.txt" in pip
-        else:
-            assert not any("torch" in str(item) for item in [*pip, *env["dependencies"]])
+            assert "ARG FAMILY=pipeline\n" in dockerfile
+        wanted = {
+            *locks[family],
+            INSTALLER,
+            *(locks["pipeline-cpu"] if family == "pipeline" else []),
+        }
+        for path in wanted:
+            assert any(fnmatch(path, source) for source in copied), f"{family}.Dockerfile: {path}"
+
+        definition = (ROOT / f"containers/{family}.def").read_text()
+        files = re.search(r"^%files\n((?:    .*\n)+)", definition, re.MULTILINE).group(1).split()
+        assert {*locks[family], INSTALLER} <= set(files[::2]), f"{family}.def"
+        assert f"/opt/jagg-pipeline/{INSTALLER} {family}\n" in definition
+        for recipe in (dockerfile, definition):
+            assert "python:3.11-slim-bookworm" in recipe, family
+    # No pip call nor version pin of their own: the locks hold every version.
+    recipes = [*(ROOT / "envs").glob("*.yaml"), *(ROOT / "containers").iterdir(), ROOT / "Makefile"]
+    for path in recipes:
+        text = path.read_text()
+        assert "pip install" not in text.replace("$(BIN)/pip install uv", ""), path.name
+        assert not re.search(r"[A-Za-z0-9]==[0-9]", text), f"{path.name} pins a version"
+    assert not (ROOT / "constraints.txt").exists()
 
 
 def test_dockerfiles_pass_hadolint():
@@ -103,14 +145,21 @@ def test_dockerfiles_pass_hadolint():
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
-def test_the_summary_family_runs_without_the_model_libraries(reduced_all, tmp_path):
-    """`summarize` on real runs with torch, diffusers, ... made unimportable."""
+def test_the_summary_family_runs_with_its_lock_alone(reduced_all, tmp_path):
+    """`summarize` on real runs with every module the summary lock lacks made unimportable."""
+    summary = set(pins(ROOT / "requirements-summary.lock")) | {"jagg-pipeline"}
+    blocked = sorted(
+        module
+        for module, dists in packages_distributions().items()
+        if not {canonicalize_name(d) for d in dists} & summary and module.isidentifier()
+    )
+    assert set(MODEL_LIBRARIES) <= set(blocked)
     blocker = (
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.split('.')[0] in {MODEL_LIBRARIES!r}:\n"
-        "            raise ImportError(f'{name} is not in the summary environment')\n"
+        f"        if name.split('.')[0] in {set(blocked)!r}:\n"
+        "            raise ImportError(f'{name} is not in requirements-summary.lock')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from jagg_pipeline.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
