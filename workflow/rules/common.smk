@@ -502,28 +502,33 @@ def run_files(run):
     return files
 
 
-def lost_records(run):
-    """The transient stage folders of a finished run (its last round trained) whose rounds
-    lost their rollout or train metric lines: asking for the folder reruns the job that
-    writes both. (The lines alone could come from either rule of a pair; a run still going
-    writes them itself, and asking for a transient folder keeps it until the target is done.)
+def force_lost_records(run):
+    """Rerun the jobs of a finished run (its last round trained) whose transient rounds lost
+    their rollout or train metric lines (deleted by hand, or lost with a disk): the job that
+    writes a transient stage folder writes its lines too, so that folder is forced
+    (Snakemake's forcerun, as :func:`force_lost_blocks`). Its consumers rerun after it, and
+    Snakemake deletes the folder once they are done. (The lines alone could come from either
+    rule of a pair; a run still going writes them itself.)
     """
+    dag = workflow.dag
     rounds = 0 if run.policy is not None or run.blocks else run.config.train.rounds
+    if dag is None or not workflow.is_main_process or not rounds:
+        return
 
     def records(round_index):
         return Path(round_folder(run, round_index), ROUND_RECORDS)
 
-    if not rounds or not (records(rounds - 1) / "train.jsonl").is_file():
-        return []
-    lost = []
+    if not (records(rounds - 1) / "train.jsonl").is_file():
+        return
     for round_index in range(rounds):
         if kept_round(run, round_index):
             continue
+        # Forced, not asked for by the target: Snakemake never deletes a temp() output that
+        # a target rule asks for, so the rebuilt folder would stay on disk for good.
         if not (records(round_index) / "rollout.jsonl").is_file():
-            lost.append(rollout_dir(run, round_index))
+            dag.forcefiles.add(rollout_dir(run, round_index))
         if not (records(round_index) / "train.jsonl").is_file():
-            lost.append(checkpoint_dir(run, round_index))
-    return lost
+            dag.forcefiles.add(checkpoint_dir(run, round_index))
 
 
 def _runs(experiment):
@@ -539,8 +544,9 @@ def _runs(experiment):
 
 def target_files(experiment):
     """What a target that includes ``experiment`` asks for: its comparison page, the push to
-    MLflow the page is read back from, and every file its runs keep (:func:`run_files`,
-    :func:`lost_records`), so that a finished target notices a deleted one. Asking for
+    MLflow the page is read back from, and every file its runs keep (:func:`run_files`;
+    lost lines and blocks are forced, :func:`force_lost_records`, :func:`force_lost_blocks`),
+    so that a finished target notices a deleted one. Asking for
     tracked.json retries a failed push: it is gone after one (Snakemake removes a failed
     job's outputs), and Snakemake remakes a missing intermediate only when asked for it.
     """
@@ -549,7 +555,8 @@ def target_files(experiment):
         f"{RESULTS}/comparison/{experiment}/index.html",
     ]
     for run in _runs(experiment):
-        files += run_files(run) + lost_records(run)
+        files += run_files(run)
+        force_lost_records(run)
         force_lost_blocks(run)
     return files
 
