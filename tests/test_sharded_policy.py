@@ -240,7 +240,7 @@ def _train_worker(
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     from jagg_pipeline.config.run import load_config
-    from jagg_pipeline.io.manifest import hash_counts, reset_hash_counts
+    from jagg_pipeline.io.manifest import ManifestError, hash_counts, reset_hash_counts
     from jagg_pipeline.stages.train import train_round
 
     torch.set_num_threads(1)
@@ -253,10 +253,35 @@ def _train_worker(
         return create_stream(self, path, mode)
 
     FileSystem.create_stream = recording
+    built = _count_model_builds()
     reset_hash_counts()
-    train_round(load_config(config_file), policy, rollouts, scores, ckpt, progress=False)
-    report = {"hashed": hash_counts()["read"]["paths"], "opened": sorted(opened)}
+    error = None
+    try:
+        train_round(load_config(config_file), policy, rollouts, scores, ckpt, progress=False)
+    except ManifestError as err:
+        error = str(err)
+    report = {
+        "hashed": hash_counts()["read"]["paths"],
+        "opened": sorted(opened),
+        "error": error,
+        "models_built": built["calls"],
+    }
     Path(f"{out}.{os.environ['RANK']}.json").write_text(json.dumps(report))
+
+
+def _count_model_builds() -> dict[str, int]:
+    """Count, from now on in this process, the backbones the policy loaders build."""
+    from jagg_pipeline.stages import policy
+
+    counter = {"calls": 0}
+    build = policy.backbone_class
+
+    def counting(family: str) -> Any:
+        counter["calls"] += 1
+        return build(family)
+
+    policy.backbone_class = counting
+    return counter
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,8 +349,21 @@ def test_a_sampling_load_hashes_policy_only_and_refuses_a_corrupt_shard(
         load_sharded_policy(config, checkpoint, ctx)
 
 
+def _refuse_model_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make building any policy backbone fail loudly: a refusal must come before it."""
+    from jagg_pipeline.stages import policy
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was loaded before the corrupt file was refused")
+
+    monkeypatch.setattr(policy, "backbone_class", build)
+    monkeypatch.setattr(policy, "load_backbone", build)
+
+
 @pytest.mark.parametrize("damaged", ["optimizer", "ema", "policy", "rng"])
-def test_a_resumed_round_refuses_a_corrupt_file_it_reads(damaged, tiny_sd3, base_rollout, tmp_path):
+def test_a_resumed_round_refuses_a_corrupt_file_before_loading_a_model(
+    damaged, tiny_sd3, base_rollout, tmp_path, monkeypatch
+):
     from jagg_pipeline.io.manifest import ManifestError
     from jagg_pipeline.stages.train import train_round
 
@@ -342,6 +380,7 @@ def test_a_resumed_round_refuses_a_corrupt_file_it_reads(damaged, tiny_sd3, base
         "rng": first.checkpoint / "trainer" / "rng.safetensors",
     }[damaged]
     _flip(file)
+    _refuse_model_builds(monkeypatch)
     with pytest.raises(ManifestError, match=rf"^{file}: corrupt or changed"):
         train_round(
             config, first.checkpoint, next_rollouts, next_scores, tmp_path / "r1c", progress=False
