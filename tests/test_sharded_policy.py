@@ -31,6 +31,7 @@ import torch
 import train_helpers
 from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     base_rollout_fixture,
+    flip_byte,
     launcher,
     make_config,
     run_train_command,
@@ -51,12 +52,6 @@ CASES = [
     ("qwenimage", "full", "float32", "bf16"),
 ]
 PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
-
-
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) * 3 // 4] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +336,7 @@ def test_a_sampling_load_hashes_policy_only_and_refuses_a_corrupt_shard(
     assert not any("trainer" in path for path in hashed)  # no optimizer, EMA, generator
 
     shard = next((checkpoint / "policy").glob("*.distcp"))
-    _flip(shard)
+    flip_byte(shard)
     with (
         distributed.distributed("cpu") as ctx,
         pytest.raises(ManifestError, match=rf"^{shard}: corrupt or changed"),
@@ -379,7 +374,7 @@ def test_a_resumed_round_refuses_a_corrupt_file_before_loading_a_model(
         "policy": next((first.checkpoint / "policy").glob("*.distcp"), None),
         "rng": first.checkpoint / "trainer" / "rng.safetensors",
     }[damaged]
-    _flip(file)
+    flip_byte(file)
     _refuse_model_builds(monkeypatch)
     with pytest.raises(ManifestError, match=rf"^{file}: corrupt or changed"):
         train_round(
@@ -391,7 +386,8 @@ def test_a_resumed_round_refuses_a_corrupt_file_before_loading_a_model(
 @pytest.mark.slow
 def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_rollout, tmp_path):
     """Round 1 on 2 ranks from a 2-rank checkpoint: rank r reads the ``__r_0`` chunks of the
-    policy, optimizer and EMA (its rows), both read the rest; nothing else is hashed."""
+    policy, optimizer and EMA (its rows), both read the rest; nothing else is hashed. Then a
+    corrupt optimizer file only rank 1 reads is refused on both ranks before any model."""
     config = make_config(tiny_sd3, train={"ema_decay": 0.9})
     config_file = write_config(config, tmp_path / "config.yaml")
     rollouts, scores = base_rollout
@@ -401,23 +397,29 @@ def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_
     next_rollouts, next_scores = train_helpers.scored_rollout(
         config, tmp_path / "r1", first, round_index=1
     )
-    out = tmp_path / "hashed"
-    command = [
-        *launcher(2),
-        str(Path(__file__).resolve()),
-        "train",
-        str(config_file),
-        str(first),
-        str(next_rollouts),
-        str(next_scores),
-        str(tmp_path / "r1-ckpt"),
-        str(out),
-    ]
-    result = subprocess.run(
-        command, env=subprocess_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    reports = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+
+    def train_on_two_ranks(name: str) -> list[dict[str, Any]]:
+        out = tmp_path / name
+        command = [
+            *launcher(2),
+            str(Path(__file__).resolve()),
+            "train",
+            str(config_file),
+            str(first),
+            str(next_rollouts),
+            str(next_scores),
+            str(tmp_path / f"{name}-ckpt"),
+            str(out),
+        ]
+        result = subprocess.run(
+            command, env=subprocess_env(), capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+
+    reports = train_on_two_ranks("hashed")
+    assert [r["error"] for r in reports] == [None, None]
+    assert all(r["models_built"] for r in reports)
     inputs = (str(first.resolve()), str(next_rollouts.resolve()), str(next_scores.resolve()))
     # Not the round's own output: what the rank hashed of its inputs.
     hashed = [{p: n for p, n in r["hashed"].items() if p.startswith(inputs)} for r in reports]
@@ -444,6 +446,15 @@ def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_
     assert not set(hashed[0]) & set(hashed[1])
     assert all(entry["times"] == 1 for h in hashed for entry in h.values())
     assert hashed[0] and hashed[1]  # the work was shared
+
+    # A flipped byte in rank 1's optimizer rows: both ranks refuse it, naming the file,
+    # before either builds a model.
+    damaged = first / "trainer" / "optimizer" / "__1_0.distcp"
+    flip_byte(damaged)
+    reports = train_on_two_ranks("damaged")
+    for report in reports:
+        assert report["error"].startswith(f"{damaged}: corrupt or changed"), report["error"]
+        assert report["models_built"] == 0
 
 
 def test_files_are_spread_over_the_readers_of_each_host():
