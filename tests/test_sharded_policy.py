@@ -383,6 +383,29 @@ def test_a_resumed_round_refuses_a_corrupt_file_before_loading_a_model(
     assert not (tmp_path / "r1c").exists()
 
 
+def test_resuming_with_ema_from_a_checkpoint_without_one_is_refused_before_a_model(
+    tiny_sd3, base_rollout, tmp_path, monkeypatch
+):
+    from jagg_pipeline.stages.train import TrainInputError, train_round
+
+    config = make_config(tiny_sd3)
+    rollouts, scores = base_rollout
+    first = train_round(config, "base", rollouts, scores, tmp_path / "r0", progress=False)
+    next_rollouts, next_scores = train_helpers.scored_rollout(
+        config, tmp_path / "r1", first.checkpoint, round_index=1
+    )
+    _refuse_model_builds(monkeypatch)
+    with pytest.raises(TrainInputError, match=r"has no EMA weights, but train.ema_decay is set"):
+        train_round(
+            make_config(tiny_sd3, train={"ema_decay": 0.9}),
+            first.checkpoint,
+            next_rollouts,
+            next_scores,
+            tmp_path / "r1c",
+            progress=False,
+        )
+
+
 @pytest.mark.slow
 def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_rollout, tmp_path):
     """Round 1 on 2 ranks from a 2-rank checkpoint: rank r reads the ``__r_0`` chunks of the
