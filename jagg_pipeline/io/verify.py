@@ -5,8 +5,9 @@ A stage input is verified against the digests its producer's manifest lists
 rollout of a checkpoint reads ``policy/``, never the optimizer state; a training rank reads
 the ``policy/``, optimizer and EMA files its own rows live in (:func:`verify_sharded`
 plans them from each folder's ``.metadata``, before any model is built), the rollout's
-shard files and the score table, after :func:`~jagg_pipeline.io.manifest.check_made` checked what
-the input is (its stage, the config sections it was made under) without hashing anything.
+shard files and the score table, after :func:`~jagg_pipeline.io.manifest.check_made`
+checked what the input is (its stage, the config sections it was made under) without
+hashing anything.
 
 Under a process group :func:`verify_reads` is a collective that hashes each file once per
 node: the ranks all-gather (host, files they read); each file read on a host is hashed by

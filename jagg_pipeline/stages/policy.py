@@ -111,12 +111,12 @@ def load_sharded_policy(
     weights are bit for bit those of :func:`load_policy` sharded. A checkpoint is checked
     as :func:`check_checkpoint` checks it, and the ``policy/`` files this rank reads are
     verified once per node before anything is built (``verified``: the caller did, as the
-    training stage does with all its reads at once). The VAE and the text encoders load whole, as in
-    :func:`load_policy` (``for_training`` or ``text_encoders=False`` skip the text encoders,
-    as do ``backbone.load_text_encoders: false`` and a family without them: a stage that
-    reads precomputed conditioning needs none, and the checkpoint is still checked against
-    its own config). ``frozen``: the transformer's parameters take no gradient (the KL
-    reference).
+    training stage does with all its reads at once). The VAE and the text encoders load
+    whole, as in :func:`load_policy` (``for_training`` or ``text_encoders=False`` skip the
+    text encoders, as do ``backbone.load_text_encoders: false`` and a family without them: a
+    stage that reads precomputed conditioning needs none, and the checkpoint is still
+    checked against its own config). ``frozen``: the transformer's parameters take no
+    gradient (the KL reference).
     """
     from jagg_pipeline.stages import distributed
 
