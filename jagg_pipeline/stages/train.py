@@ -191,7 +191,8 @@ def verify_training_reads(config: Any, policy: str | Path, also: Sequence[Reads]
     from jagg_pipeline.stages.policy import check_checkpoint
 
     if str(policy) == BASE:
-        verify_reads(also)
+        if also:  # (every rank alike: no collective for nothing)
+            verify_reads(also)
         return
     manifest = check_checkpoint(config, policy)
     trainer = (f"{ckpt.TRAINER_DIR}/{ckpt.STATE_FILE}", f"{ckpt.TRAINER_DIR}/{ckpt.RNG_FILE}")
