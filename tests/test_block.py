@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from block_helpers import blocks, checkpoint_files, round_lines, single_rounds
 from stage_helpers import tiny_checkpoint, write_experiment
-from train_helpers import torchrun
+from train_helpers import flip_byte, torchrun
 from workflow_helpers import (
     REDUCED,
     blocks_workdir,
@@ -248,6 +248,40 @@ def test_a_killed_block_reruns_to_the_bytes_of_an_uninterrupted_one(
     for r in keep:
         for stage in ("rollout", "checkpoint", "scores"):
             assert (workdir / f"round-{r:04d}" / stage / "manifest.json").is_file()
+
+
+def test_a_block_refuses_a_corrupt_checkpoint_file_before_loading_a_model(tmp_path, monkeypatch):
+    """The checkpoint a block continues from: its policy, optimizer or generator damaged is
+    refused naming the file, before any model (building one is made to fail)."""
+    from block_helpers import block_outputs, encode_pool
+
+    from jagg_pipeline.io.manifest import ManifestError
+    from jagg_pipeline.stages import policy as policy_module
+    from jagg_pipeline.stages.block import run_block
+
+    config = _config(tmp_path, "flux", "full", "jagg-reuse")
+    workdir = tmp_path / "blocks"
+    conditioning = encode_pool(config, workdir)
+    options = {"prompts": config.sampler.prompts, "column": config.sampler.prompt_column}
+    options.update(conditioning=conditioning, progress=False)
+    first = block_outputs(workdir, 0, 0)
+    run_block(config, "base", first, **options)
+    checkpoint = first.rounds[0].checkpoint
+
+    def build(*args, **kwargs):
+        raise AssertionError("a model was loaded before the corrupt file was refused")
+
+    monkeypatch.setattr(policy_module, "backbone_class", build)
+    for name in (
+        "policy/__0_0.distcp",
+        "trainer/optimizer/__0_0.distcp",
+        "trainer/rng.safetensors",
+    ):
+        damaged = checkpoint / name
+        flip_byte(damaged)
+        with pytest.raises(ManifestError, match=rf"^{damaged}: corrupt or changed"):
+            run_block(config, str(checkpoint), block_outputs(workdir, 1, 1), **options)
+        flip_byte(damaged)  # the same byte flipped back: the next file alone is damaged
 
 
 # --------------------------------------------------------------------------------------------

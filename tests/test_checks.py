@@ -25,6 +25,7 @@ from jagg_pipeline.backbones.velocity import VelocityMixin
 from jagg_pipeline.cli import main
 from jagg_pipeline.config.checkpoints import option_problems
 from jagg_pipeline.config.run import REWARD_NAMES, BackboneConfig, RewardsConfig
+from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES
 from jagg_pipeline.workflow import model_files
 from jagg_pipeline.workflow.checks import NO_MODEL_FILES, REWARD_FILES, check_runs
 from jagg_pipeline.workflow.experiments import merge, resolve_runs, split
@@ -290,3 +291,67 @@ def test_config_check_reports_what_the_workflow_refuses(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: {path}: {problem}" for problem in _problems(data)]
     assert len(errors) == 3, errors
+
+
+# --- prompts a toy reward scores ---------------------------------------------------------------
+
+TOY = [a.caption() for a in ALL_ATTRIBUTES[:5]]
+
+
+def test_a_training_prompt_that_is_no_toy_caption_is_refused_naming_file_line_and_fix(tmp_path):
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text(f"{TOY[0]}\n\n{TOY[1]}\na photo of a cat\n{TOY[2]}\n")
+    (line,) = _problems(_reduced(sampler={"prompts": str(prompts)}))
+    assert line == (
+        f"sampler.prompts: {prompts}: line 4, 'a photo of a cat', is not a toy-world caption, "
+        "and toy_attributes in rewards.weights scores only those; put a real reward model in "
+        "rewards.weights, or use toy captions (such as 'a red circle on the left, white "
+        "background', or the sets toy:train / toy:heldout) (runs all/exact/seed-0, "
+        "all/jagg/seed-0)"
+    )
+    # Scored by a reward that reads any prompt, the same file passes.
+    jpeg = {"weights": {"jpeg_compressibility": 1.0}}
+    assert _problems(_reduced(sampler={"prompts": str(prompts)}, rewards=jpeg)) == []
+
+
+def test_evaluation_prompts_are_parsed_as_far_as_eval_max_prompts_under_a_toy_metric(tmp_path):
+    prompts = tmp_path / "eval.csv"
+    prompts.write_text("prompt\n" + "".join(f'"{p}"\n' for p in TOY[:4]) + "a dog\n")
+    data = _reduced(eval={"prompts": str(prompts)})  # max_prompts 4: the dog is not scored
+    assert _problems(data) == []
+    (line,) = _problems(merge(data, {"eval": {"max_prompts": 5}}))
+    assert line.startswith(f"eval.prompts: {prompts}: prompt 5, 'a dog', is not a toy-world")
+    assert "toy_attributes in eval.metrics scores only those" in line
+    assert _problems(merge(data, {"eval": {"max_prompts": 5, "metrics": ["toy_clipscore"]}})) == []
+
+
+def test_toy_captions_in_a_file_of_ones_own_pass(tmp_path):
+    prompts = tmp_path / "toy.jsonl"
+    prompts.write_text("".join(json.dumps({"caption": f"  {p}"}) + "\n" for p in TOY))
+    source = {"prompts": str(prompts)}
+    data = _reduced(
+        sampler={**source, "prompt_column": "caption"}, eval={**source, "column": "caption"}
+    )
+    assert _problems(data) == []
+
+
+def test_config_check_parses_a_toy_scored_prompt_file_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([*TOY, "a cat"]) + "\n")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_reduced(sampler={"prompts": str(prompts)})))
+    code = (
+        "import sys\n"
+        "from jagg_pipeline.cli import main\n"
+        f"code = main(['config', 'check', '--config', {str(path)!r}])\n"
+        "assert 'torch' not in sys.modules, 'torch imported by config check'\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert f"sampler.prompts: {prompts}: line 6, 'a cat'," in done.stderr

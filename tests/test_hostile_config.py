@@ -398,6 +398,11 @@ CASES = [
         ("eval.prompts", "toy:nothing"),
     ),
     Case(
+        "prompts-not-toy-captions",  # the default reward, toy_attributes, parses each one
+        _prompt_file("own.txt", b"a red circle on the left, white background\na photo of a cat\n"),
+        ("sampler.prompts", "own.txt", "line 2", "toy_attributes in rewards.weights"),
+    ),
+    Case(
         "backbone-missing",
         _backbone(lambda f: str(f / "no-such-model")),
         ("backbone.path", "no-such-model"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     base_rollout_fixture,
+    flip_byte,
     make_config,
     subprocess_env,
     tiny_sd3_fixture,
@@ -34,12 +35,6 @@ def _cut(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) * 3 // 4] ^= 0x01  # in the tensor data, past the header
-    path.write_bytes(bytes(data))
-
-
 @pytest.fixture
 def round_copy(base_rollout, tmp_path) -> tuple[Path, Path]:
     """A private copy of the session's scored rollout (rollout, scores) to damage."""
@@ -49,7 +44,7 @@ def round_copy(base_rollout, tmp_path) -> tuple[Path, Path]:
     return tmp_path / "rollout", tmp_path / "scores"
 
 
-@pytest.mark.parametrize("damage", [_cut, _flip], ids=["truncated", "flipped byte"])
+@pytest.mark.parametrize("damage", [_cut, flip_byte], ids=["truncated", "flipped byte"])
 def test_a_damaged_rollout_shard_is_refused_by_score_and_train(
     damage, tiny_sd3, round_copy, tmp_path
 ):

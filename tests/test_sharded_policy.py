@@ -31,6 +31,7 @@ import torch
 import train_helpers
 from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
     base_rollout_fixture,
+    flip_byte,
     launcher,
     make_config,
     run_train_command,
@@ -51,12 +52,6 @@ CASES = [
     ("qwenimage", "full", "float32", "bf16"),
 ]
 PROMPTS = ["a red circle on the left, white background", "a blue square at the top"]
-
-
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) * 3 // 4] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +235,7 @@ def _train_worker(
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     from jagg_pipeline.config.run import load_config
-    from jagg_pipeline.io.manifest import hash_counts, reset_hash_counts
+    from jagg_pipeline.io.manifest import ManifestError, hash_counts, reset_hash_counts
     from jagg_pipeline.stages.train import train_round
 
     torch.set_num_threads(1)
@@ -253,10 +248,35 @@ def _train_worker(
         return create_stream(self, path, mode)
 
     FileSystem.create_stream = recording
+    built = _count_model_builds()
     reset_hash_counts()
-    train_round(load_config(config_file), policy, rollouts, scores, ckpt, progress=False)
-    report = {"hashed": hash_counts()["read"]["paths"], "opened": sorted(opened)}
+    error = None
+    try:
+        train_round(load_config(config_file), policy, rollouts, scores, ckpt, progress=False)
+    except ManifestError as err:
+        error = str(err)
+    report = {
+        "hashed": hash_counts()["read"]["paths"],
+        "opened": sorted(opened),
+        "error": error,
+        "models_built": built["calls"],
+    }
     Path(f"{out}.{os.environ['RANK']}.json").write_text(json.dumps(report))
+
+
+def _count_model_builds() -> dict[str, int]:
+    """Count, from now on in this process, the backbones the policy loaders build."""
+    from jagg_pipeline.stages import policy
+
+    counter = {"calls": 0}
+    build = policy.backbone_class
+
+    def counting(family: str) -> Any:
+        counter["calls"] += 1
+        return build(family)
+
+    policy.backbone_class = counting
+    return counter
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +336,7 @@ def test_a_sampling_load_hashes_policy_only_and_refuses_a_corrupt_shard(
     assert not any("trainer" in path for path in hashed)  # no optimizer, EMA, generator
 
     shard = next((checkpoint / "policy").glob("*.distcp"))
-    _flip(shard)
+    flip_byte(shard)
     with (
         distributed.distributed("cpu") as ctx,
         pytest.raises(ManifestError, match=rf"^{shard}: corrupt or changed"),
@@ -324,8 +344,21 @@ def test_a_sampling_load_hashes_policy_only_and_refuses_a_corrupt_shard(
         load_sharded_policy(config, checkpoint, ctx)
 
 
+def _refuse_model_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make building any policy backbone fail loudly: a refusal must come before it."""
+    from jagg_pipeline.stages import policy
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was loaded before the corrupt file was refused")
+
+    monkeypatch.setattr(policy, "backbone_class", build)
+    monkeypatch.setattr(policy, "load_backbone", build)
+
+
 @pytest.mark.parametrize("damaged", ["optimizer", "ema", "policy", "rng"])
-def test_a_resumed_round_refuses_a_corrupt_file_it_reads(damaged, tiny_sd3, base_rollout, tmp_path):
+def test_a_resumed_round_refuses_a_corrupt_file_before_loading_a_model(
+    damaged, tiny_sd3, base_rollout, tmp_path, monkeypatch
+):
     from jagg_pipeline.io.manifest import ManifestError
     from jagg_pipeline.stages.train import train_round
 
@@ -341,7 +374,8 @@ def test_a_resumed_round_refuses_a_corrupt_file_it_reads(damaged, tiny_sd3, base
         "policy": next((first.checkpoint / "policy").glob("*.distcp"), None),
         "rng": first.checkpoint / "trainer" / "rng.safetensors",
     }[damaged]
-    _flip(file)
+    flip_byte(file)
+    _refuse_model_builds(monkeypatch)
     with pytest.raises(ManifestError, match=rf"^{file}: corrupt or changed"):
         train_round(
             config, first.checkpoint, next_rollouts, next_scores, tmp_path / "r1c", progress=False
@@ -349,10 +383,34 @@ def test_a_resumed_round_refuses_a_corrupt_file_it_reads(damaged, tiny_sd3, base
     assert not (tmp_path / "r1c").exists()
 
 
+def test_resuming_with_ema_from_a_checkpoint_without_one_is_refused_before_a_model(
+    tiny_sd3, base_rollout, tmp_path, monkeypatch
+):
+    from jagg_pipeline.stages.train import TrainInputError, train_round
+
+    config = make_config(tiny_sd3)
+    rollouts, scores = base_rollout
+    first = train_round(config, "base", rollouts, scores, tmp_path / "r0", progress=False)
+    next_rollouts, next_scores = train_helpers.scored_rollout(
+        config, tmp_path / "r1", first.checkpoint, round_index=1
+    )
+    _refuse_model_builds(monkeypatch)
+    with pytest.raises(TrainInputError, match=r"has no EMA weights, but train.ema_decay is set"):
+        train_round(
+            make_config(tiny_sd3, train={"ema_decay": 0.9}),
+            first.checkpoint,
+            next_rollouts,
+            next_scores,
+            tmp_path / "r1c",
+            progress=False,
+        )
+
+
 @pytest.mark.slow
 def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_rollout, tmp_path):
     """Round 1 on 2 ranks from a 2-rank checkpoint: rank r reads the ``__r_0`` chunks of the
-    policy, optimizer and EMA (its rows), both read the rest; nothing else is hashed."""
+    policy, optimizer and EMA (its rows), both read the rest; nothing else is hashed. Then a
+    corrupt optimizer file only rank 1 reads is refused on both ranks before any model."""
     config = make_config(tiny_sd3, train={"ema_decay": 0.9})
     config_file = write_config(config, tmp_path / "config.yaml")
     rollouts, scores = base_rollout
@@ -362,23 +420,29 @@ def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_
     next_rollouts, next_scores = train_helpers.scored_rollout(
         config, tmp_path / "r1", first, round_index=1
     )
-    out = tmp_path / "hashed"
-    command = [
-        *launcher(2),
-        str(Path(__file__).resolve()),
-        "train",
-        str(config_file),
-        str(first),
-        str(next_rollouts),
-        str(next_scores),
-        str(tmp_path / "r1-ckpt"),
-        str(out),
-    ]
-    result = subprocess.run(
-        command, env=subprocess_env(), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    reports = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+
+    def train_on_two_ranks(name: str) -> list[dict[str, Any]]:
+        out = tmp_path / name
+        command = [
+            *launcher(2),
+            str(Path(__file__).resolve()),
+            "train",
+            str(config_file),
+            str(first),
+            str(next_rollouts),
+            str(next_scores),
+            str(tmp_path / f"{name}-ckpt"),
+            str(out),
+        ]
+        result = subprocess.run(
+            command, env=subprocess_env(), capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+
+    reports = train_on_two_ranks("hashed")
+    assert [r["error"] for r in reports] == [None, None]
+    assert all(r["models_built"] for r in reports)
     inputs = (str(first.resolve()), str(next_rollouts.resolve()), str(next_scores.resolve()))
     # Not the round's own output: what the rank hashed of its inputs.
     hashed = [{p: n for p, n in r["hashed"].items() if p.startswith(inputs)} for r in reports]
@@ -405,6 +469,15 @@ def test_two_train_ranks_hash_only_what_they_read_each_file_once(tiny_sd3, base_
     assert not set(hashed[0]) & set(hashed[1])
     assert all(entry["times"] == 1 for h in hashed for entry in h.values())
     assert hashed[0] and hashed[1]  # the work was shared
+
+    # A flipped byte in rank 1's optimizer rows: both ranks refuse it, naming the file,
+    # before either builds a model.
+    damaged = first / "trainer" / "optimizer" / "__1_0.distcp"
+    flip_byte(damaged)
+    reports = train_on_two_ranks("damaged")
+    for report in reports:
+        assert report["error"].startswith(f"{damaged}: corrupt or changed"), report["error"]
+        assert report["models_built"] == 0
 
 
 def test_files_are_spread_over_the_readers_of_each_host():

@@ -39,6 +39,14 @@ SAMPLER = {
 }
 
 
+def flip_byte(path: Path) -> None:
+    """Damage ``path`` in place: one bit flipped in the tensor data, past the header; a second
+    call restores it."""
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def config_data(checkpoint: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A tiny experiment (float64 SD3 at ``checkpoint``, JPEG reward) with section updates."""
     data: dict[str, Any] = {

@@ -16,6 +16,7 @@ place where a round's prompts are drawn from it.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,17 +99,29 @@ def resolve_prompts(source: str | os.PathLike[str], column: str | None = None) -
     return load_prompts(text, column)
 
 
-def check_prompts(source: str | os.PathLike[str], column: str | None = None) -> None:
+def check_prompts(source: str | os.PathLike[str], column: str | None = None) -> list[str] | None:
     """Raise PromptFileError where :func:`resolve_prompts` would, without torch.
 
-    A toy set's name and column are checked (its captions are not drawn), a prompt file is
-    read whole: the workflow checks every prompt file a config names while it is parsed.
+    A toy set's name and column are checked (its captions are not drawn: None), a prompt
+    file is read whole and its prompts returned: the workflow checks every prompt file a
+    config names while it is parsed.
     """
     text = os.fspath(source)
     if text.startswith("toy:"):
         _toy_split(text, column)
-    else:
-        load_prompts(text, column)
+        return None
+    return load_prompts(text, column)
+
+
+def prompt_place(path: str | os.PathLike[str], number: int) -> str:
+    """Where prompt ``number`` (1-based, as :func:`load_prompts` counts) is in ``path``.
+
+    ``line L`` in a .txt file (whose blank lines are no prompts), else ``prompt N``.
+    """
+    if Path(path).suffix.lower() != ".txt":
+        return f"prompt {number}"
+    lines = (n for n, line in enumerate(read_lines(path), 1) if line.strip())
+    return f"line {next(itertools.islice(lines, number - 1, None))}"
 
 
 def _toy_split(source: str, column: str | None) -> int:

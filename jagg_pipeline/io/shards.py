@@ -107,24 +107,34 @@ def load(state: dict[str, Any], folder: str | Path, *, collective: bool | None =
         dcp.load(state, checkpoint_id=str(folder), no_dist=not collective)
 
 
-def files_read(state: dict[str, Any], folder: str | Path) -> list[str]:
-    """The files of ``folder`` that :func:`load` of ``state`` reads, relative to it.
+def files_read_by_rows(folder: str | Path, rank: int, world_size: int) -> list[str]:
+    """The files of ``folder`` that rank ``rank`` of ``world_size`` reads to load it whole.
 
-    ``.metadata`` and the files holding the chunks ``state``'s tensors overlap: under a
-    process group, the chunks of this rank's shards. DCP's own load planner makes the plan
-    from ``.metadata`` (the only file read here), as :func:`load` will.
+    Planned from ``.metadata`` alone (the only file read here), before any model exists:
+    FSDP2 holds each parameter, its AdamW moments and its EMA by rows (``Shard(0)`` over
+    the 1-D mesh, ``torch.chunk``'s split), so the rank reads the chunk files whose rows
+    overlap its own, every chunk of a 0-d tensor (a step count) and every non-tensor
+    value. A world of one reads every file. The names are relative to ``folder``,
+    ``.metadata`` among them.
     """
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(folder)).read_metadata()
-    # Keys the folder lacks are the loader's to refuse (with a message naming them).
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    planner.set_up_planner(state, metadata, is_coordinator=False)
-    storage = metadata.storage_data
-    plan = planner.create_local_plan()
-    chunks = {storage[item.storage_index].relative_path for item in plan.items}
-    return sorted({METADATA_FILE, *chunks})
+    entries = metadata.state_dict_metadata
+    files = {METADATA_FILE}
+    for index, info in metadata.storage_data.items():
+        entry = entries[index.fqn]
+        if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0:
+            rows = entry.size[0]
+            per_rank = -(-rows // world_size)  # torch.chunk: ceil, the last ranks may get none
+            low, high = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
+            chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset))
+            start = chunk.offsets[0]
+            if not (start < high and start + chunk.sizes[0] > low):
+                continue
+        files.add(info.relative_path)
+    return sorted(files)
 
 
 def keys(folder: str | Path) -> dict[str, tuple[int, ...] | None]:

@@ -3,10 +3,11 @@
 A stage input is verified against the digests its producer's manifest lists
 (:func:`~jagg_pipeline.io.manifest.verify_files`), but only the files the consumer reads: a
 rollout of a checkpoint reads ``policy/``, never the optimizer state; a training rank reads
-the ``policy/``, optimizer and EMA files its own chunks live in (:func:`sharded_reads`),
-the rollout's shard files and the score table (:func:`verify_sharded` plans which chunk
-files a sharded load reads), after :func:`~jagg_pipeline.io.manifest.check_made` checked what
-the input is (its stage, the config sections it was made under) without hashing anything.
+the ``policy/``, optimizer and EMA files its own rows live in (:func:`verify_sharded`
+plans them from each folder's ``.metadata``, before any model is built), the rollout's
+shard files and the score table, after :func:`~jagg_pipeline.io.manifest.check_made`
+checked what the input is (its stage, the config sections it was made under) without
+hashing anything.
 
 Under a process group :func:`verify_reads` is a collective that hashes each file once per
 node: the ranks all-gather (host, files they read); each file read on a host is hashed by
@@ -47,34 +48,41 @@ class Reads:
 
 
 def verify_sharded(
-    loads: Sequence[tuple[dict[str, Any], str | Path]],
+    folders: Sequence[str | Path],
     output: str | Path,
     manifest: Mapping[str, Any],
     *,
     collective: bool | None = None,
+    also: Sequence[Reads] = (),
 ) -> None:
-    """Verify what loading each (state, sharded folder inside ``output``) of ``loads`` reads.
+    """Verify what loading each sharded folder (inside ``output``) whole reads, before it loads.
 
-    Each folder's ``.metadata`` first, since planning a load reads it; then the chunk files
-    of the state's tensors (this rank's shards, or every chunk of whole tensors:
-    :func:`~jagg_pipeline.io.shards.files_read`). ``collective`` as in :func:`verify_reads`.
+    Needs no model: each folder's ``.metadata`` is verified first (with ``also``, other
+    reads of the same job, in the same pass), since planning reads it; then the chunk files
+    this process reads (:func:`~jagg_pipeline.io.shards.files_read_by_rows`): under a process
+    group (``collective``, as in :func:`verify_reads`) the files of this rank's rows, else
+    every file.
     """
+    import torch.distributed as dist
+
     from jagg_pipeline.io import shards
 
+    if collective is None:
+        collective = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
     output = Path(output)
 
     def names(folder: Path, files: Iterable[str]) -> tuple[str, ...]:
         return tuple(f"{folder.relative_to(output).as_posix()}/{name}" for name in sorted(files))
 
-    folders = [Path(folder) for _, folder in loads]
+    paths = [Path(folder) for folder in folders]
     metadata = {METADATA_FILE}
-    verify_reads(
-        [Reads(output, manifest, names(f, metadata)) for f in folders], collective=collective
-    )
-    chunks = [
-        Reads(output, manifest, names(folder, set(shards.files_read(state, folder)) - metadata))
-        for (state, _), folder in zip(loads, folders, strict=True)
-    ]
+    first = [*also, *(Reads(output, manifest, names(f, metadata)) for f in paths)]
+    verify_reads(first, collective=collective)
+    chunks = []
+    for folder in paths:
+        files = set(shards.files_read_by_rows(folder, rank, world_size)) - metadata
+        chunks.append(Reads(output, manifest, names(folder, files)))
     verify_reads(chunks, collective=collective)
 
 

@@ -4,14 +4,19 @@ Every image is drawn from its attributes (shape, colour, position, background), 
 images are generated on the fly from a seed, without end. A fixed subset of attribute
 combinations is held out for evaluation. The renderer is also the ground truth that the
 attribute reward compares against (:func:`shape_mask`).
+
+Imports torch only in the functions that draw: the captions (:func:`parse_caption`) are
+what ``config check`` parses every prompt of a toy-scored prompt file with.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_SIZE = 32
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
@@ -97,6 +102,8 @@ def split(holdout_every: int = 7) -> tuple[list[Attributes], list[Attributes]]:
 
 def shape_mask(shape: str, position: str, size: int = IMAGE_SIZE) -> torch.Tensor:
     """Boolean [size, size] mask of ``shape`` at ``position`` (the renderer's own geometry)."""
+    import torch
+
     cx, cy = POSITIONS[position]
     scale = size / IMAGE_SIZE
     cx, cy, r = cx * scale, cy * scale, RADIUS * scale
@@ -121,6 +128,8 @@ def shape_mask(shape: str, position: str, size: int = IMAGE_SIZE) -> torch.Tenso
 
 def render(attributes: Attributes, generator: torch.Generator | None = None) -> torch.Tensor:
     """uint8 [3, H, W] image of ``attributes``; colours jittered with ``generator`` if given."""
+    import torch
+
     background = torch.tensor(BACKGROUNDS[attributes.background], dtype=torch.float32)
     colour = torch.tensor(COLOURS[attributes.colour], dtype=torch.float32)
     if generator is not None:
@@ -145,6 +154,8 @@ def sample_batch(
     batch: int, generator: torch.Generator, pool: list[Attributes] | None = None
 ) -> Batch:
     """``batch`` random (image, caption) pairs from ``pool`` (default: the training split)."""
+    import torch
+
     pool = split()[0] if pool is None else pool
     picks = torch.randint(0, len(pool), (batch,), generator=generator).tolist()
     attrs = [pool[i] for i in picks]

@@ -171,12 +171,14 @@ class _Block:
         from jagg_pipeline.stages.evaluate import metric_models
         from jagg_pipeline.stages.policy import load_sharded_policy
         from jagg_pipeline.stages.scoring import reward_models
-        from jagg_pipeline.stages.train import Trainer
+        from jagg_pipeline.stages.train import Trainer, verify_training_reads
 
         self.config, self.ctx, self.outputs = config, ctx, outputs
         self.sources, self.progress = sources, progress and ctx.is_main
         inline = any(source is None for source in sources.values())
-        backbone = load_sharded_policy(config, policy, ctx, text_encoders=inline)
+        # A damaged checkpoint to resume from is refused before any model loads.
+        verify_training_reads(config, policy)
+        backbone = load_sharded_policy(config, policy, ctx, text_encoders=inline, verified=True)
         previous = None if policy == BASE else read_trainer_state(policy)
         self.trainer = Trainer(config, ctx, policy, previous, backbone=backbone)
         self.backbone = backbone

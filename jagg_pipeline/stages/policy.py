@@ -80,9 +80,12 @@ def _load(config: Any, policy: str | Path, device: str | torch.device | None) ->
     if str(policy) == BASE:
         return load_backbone(spec)
     manifest = check_checkpoint(config, policy)
+    # This process alone reads every chunk of policy/ (others may be doing something else),
+    # verified before the base model loads.
+    folder = policy_weights_dir(policy)
+    verify_sharded([folder], policy, manifest, collective=False)
     backbone = load_backbone(spec)
-    # This process alone reads every chunk of policy/ (others may be doing something else).
-    read_policy(trainable_state(backbone), policy, manifest, collective=False)
+    load_weights(trainable_state(backbone), folder)
     return backbone
 
 
@@ -94,6 +97,7 @@ def load_sharded_policy(
     for_training: bool = False,
     frozen: bool = False,
     text_encoders: bool = True,
+    verified: bool = False,
 ) -> Backbone:
     """The backbone of ``config.backbone`` on ``ctx.device``, its transformer FSDP2-sharded.
 
@@ -106,12 +110,13 @@ def load_sharded_policy(
     ``policy/`` chunks, every other weight from the base checkpoint's safetensors. The
     weights are bit for bit those of :func:`load_policy` sharded. A checkpoint is checked
     as :func:`check_checkpoint` checks it, and the ``policy/`` files this rank reads are
-    verified once per node. The VAE and the text encoders load whole, as in
-    :func:`load_policy` (``for_training`` or ``text_encoders=False`` skip the text encoders,
-    as do ``backbone.load_text_encoders: false`` and a family without them: a stage that
-    reads precomputed conditioning needs none, and the checkpoint is still checked against
-    its own config). ``frozen``: the transformer's parameters take no gradient (the KL
-    reference).
+    verified once per node before anything is built (``verified``: the caller did, as the
+    training stage does with all its reads at once). The VAE and the text encoders load
+    whole, as in :func:`load_policy` (``for_training`` or ``text_encoders=False`` skip the
+    text encoders, as do ``backbone.load_text_encoders: false`` and a family without them: a
+    stage that reads precomputed conditioning needs none, and the checkpoint is still
+    checked against its own config). ``frozen``: the transformer's parameters take no
+    gradient (the KL reference).
     """
     from jagg_pipeline.stages import distributed
 
@@ -119,7 +124,10 @@ def load_sharded_policy(
     if for_training or not text_encoders:
         spec = dataclasses.replace(spec, load_text_encoders=False)
     checkpoint = None if str(policy) == BASE else Path(policy)
-    manifest = None if checkpoint is None else check_checkpoint(config, checkpoint)
+    if checkpoint is not None:
+        manifest = check_checkpoint(config, checkpoint)
+        if not verified:
+            verify_sharded([policy_weights_dir(checkpoint)], checkpoint, manifest, collective=True)
     backbone = backbone_class(spec.family).load(spec, empty=True)
     transformer = backbone.transformer
     trainable = [name for name, p in transformer.named_parameters() if p.requires_grad]
@@ -135,26 +143,8 @@ def load_sharded_policy(
         )
     if checkpoint is not None:
         state = {name: params[name].detach() for name in trainable}
-        read_policy(state, checkpoint, manifest, collective=True)
+        load_weights(state, policy_weights_dir(checkpoint), collective=True)
     return backbone
-
-
-def read_policy(
-    state: dict[str, torch.Tensor],
-    checkpoint: str | Path,
-    manifest: dict[str, Any],
-    *,
-    collective: bool,
-) -> None:
-    """Fill ``state`` in place from a checkpoint's ``policy/``, verifying what it reads first.
-
-    Only the ``policy/`` files that loading ``state`` reads are hashed (its ``.metadata``, then
-    the chunk files of ``state``'s tensors); ``collective``: every rank reads its own shards,
-    and each file is hashed once per node (:func:`~jagg_pipeline.io.verify.verify_reads`).
-    """
-    folder = policy_weights_dir(checkpoint)
-    verify_sharded([(state, folder)], checkpoint, manifest, collective=collective)
-    load_weights(state, folder, collective=collective)
 
 
 def check_checkpoint(config: Any, checkpoint: str | Path) -> dict[str, Any]:

@@ -146,15 +146,13 @@ def load_round_data(
 ) -> RoundData:
     """Read and cross-check a round's inputs; errors name the file that does not fit.
 
-    What this rank reads is verified first, each file once per node under a process group
-    (:func:`~jagg_pipeline.io.verify.verify_reads`, a collective): the rollout's shard files
-    (every rank reads each shard's per-sample columns, and the rows of its own samples), the
-    score table and, from a checkpoint ``policy``, its trainer state and generator. The
-    manifests are checked without hashing anything else, and what the inputs were derived
-    from is compared by the digests the manifests record.
+    Everything this rank reads in the round is verified first, before any model is built
+    (:func:`verify_training_reads`): the rollout's shard files (every rank reads each
+    shard's per-sample columns, and the rows of its own samples), the score table and what
+    it reads of a checkpoint ``policy``. The manifests are checked without hashing anything
+    else, and what the inputs were derived from is compared by the digests the manifests
+    record.
     """
-    from jagg_pipeline.io.artifacts import BASE
-    from jagg_pipeline.stages.policy import check_checkpoint
     from jagg_pipeline.stages.rollout import SHARD_FILES
     from jagg_pipeline.stages.scoring import TABLE_NAME
 
@@ -167,10 +165,7 @@ def load_round_data(
     _check_policy_source(rollouts, made, policy)
     shard_files = tuple(sorted(p.name for pattern in SHARD_FILES for p in rollouts.glob(pattern)))
     reads = [Reads(rollouts, made, shard_files), Reads(scores, scored, (TABLE_NAME,))]
-    if str(policy) != BASE:
-        trainer = (f"{ckpt.TRAINER_DIR}/{ckpt.STATE_FILE}", f"{ckpt.TRAINER_DIR}/{ckpt.RNG_FILE}")
-        reads.append(Reads(Path(policy), check_checkpoint(config, policy), trainer))
-    verify_reads(reads)
+    verify_training_reads(config, policy, also=reads)
     batch = RolloutReader(rollouts)
     rows = _table_rows(table_path(scores), batch, list(config.rewards.weights))
     return scored_round(
@@ -180,6 +175,44 @@ def load_round_data(
         _rollout_micro_batches(rollouts, made, len(batch)),
         int(made.get("seeds", {}).get("round", 0)),
     )
+
+
+def verify_training_reads(config: Any, policy: str | Path, also: Sequence[Reads] = ()) -> None:
+    """Refuse a corrupt file among what this rank reads to train from ``policy``, up front.
+
+    A collective under a process group: each file once per node
+    (:func:`~jagg_pipeline.io.verify.verify_sharded`). Of a checkpoint ``policy``: its
+    trainer state and generator, and the files of this rank's rows of ``policy/``, the
+    optimizer state and (``train.ema_decay``) the EMA, planned from their ``.metadata``;
+    ``also``: the job's other reads (a round's rollout and scores). Runs before the model
+    is built, so a damaged checkpoint is refused in seconds, naming the file.
+    """
+    from jagg_pipeline.io.artifacts import BASE, policy_weights_dir
+    from jagg_pipeline.stages.policy import check_checkpoint
+
+    if str(policy) == BASE:
+        if also:  # (every rank alike: no collective for nothing)
+            verify_reads(also)
+        return
+    manifest = check_checkpoint(config, policy)
+    trainer = (f"{ckpt.TRAINER_DIR}/{ckpt.STATE_FILE}", f"{ckpt.TRAINER_DIR}/{ckpt.RNG_FILE}")
+    folders = [policy_weights_dir(policy), ckpt.optimizer_dir(policy)]
+    if (ema := _ema_folder(config, policy)) is not None:
+        folders.append(ema)
+    verify_sharded(folders, policy, manifest, also=[*also, Reads(Path(policy), manifest, trainer)])
+
+
+def _ema_folder(config: Any, checkpoint: str | Path) -> Path | None:
+    """The checkpoint's EMA folder when ``train.ema_decay`` is set (refused if it has none)."""
+    if config.train.ema_decay is None:
+        return None
+    folder = ckpt.ema_dir(checkpoint)
+    if folder is None:
+        raise TrainInputError(
+            f"{checkpoint}: has no EMA weights, but train.ema_decay is set; start "
+            "from base or keep train.ema_decay as that run had it"
+        )
+    return folder
 
 
 def scored_round(
@@ -406,7 +439,8 @@ class Trainer:
     """The training state on one rank: the sharded policy, optimizer, schedule, EMA, generator.
 
     Built from ``base`` or a checkpoint, it trains one round per :meth:`train` call: the
-    train stage trains one and writes it; a block of rounds keeps it between rounds.
+    train stage trains one and writes it; a block of rounds keeps it between rounds. The
+    caller verifies a checkpoint's files first (:func:`verify_training_reads`).
     """
 
     def __init__(
@@ -441,7 +475,7 @@ class Trainer:
         # checkpoint's, the base's for the rest), then of the optimizer state and EMA.
         # ``backbone``: ``policy`` loaded so already (a block of rounds samples with it too).
         if backbone is None:
-            backbone = load_sharded_policy(config, policy, ctx, for_training=True)
+            backbone = load_sharded_policy(config, policy, ctx, for_training=True, verified=True)
         self.backbone = backbone
         self.velocity = self.clock.wrap(self.backbone.velocity)
         self.reference = None
@@ -461,27 +495,16 @@ class Trainer:
         """Continue from ``checkpoint``: this rank's shards of its optimizer state and EMA.
 
         Its weights are in place already (:func:`~jagg_pipeline.stages.policy.load_sharded_policy`).
-        The optimizer and EMA files this rank reads are verified first, once per node.
+        What this reads was verified before the model was built (:func:`verify_training_reads`).
         """
-        from jagg_pipeline.stages.policy import check_checkpoint, load_weights
+        from jagg_pipeline.stages.policy import load_weights
 
-        manifest = check_checkpoint(self.config, checkpoint)
         transformer = self.backbone.transformer
         optimizer = distributed.optimizer_state_dict(transformer, self.optimizer)
-        loads = [(optimizer, ckpt.optimizer_dir(checkpoint))]
-        ema = None if self.ema is None else ckpt.ema_dir(checkpoint)
-        if self.ema is not None:
-            if ema is None:
-                raise TrainInputError(
-                    f"{checkpoint}: has no EMA weights, but train.ema_decay is set; start "
-                    "from base or keep train.ema_decay as that run had it"
-                )
-            loads.append((self.ema.shadow, ema))
-        verify_sharded(loads, checkpoint, manifest, collective=True)
         shards.load(optimizer, ckpt.optimizer_dir(checkpoint))
         distributed.load_optimizer_state_dict(transformer, self.optimizer, optimizer)
         self.scheduler.load_state_dict(previous.scheduler)
-        if self.ema is not None:
+        if (ema := _ema_folder(self.config, checkpoint)) is not None:
             load_weights(self.ema.shadow, ema, collective=True, what="EMA weights")
 
     def micro_batch(

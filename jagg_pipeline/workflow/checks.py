@@ -4,7 +4,9 @@ The workflow runs :func:`check_runs` while the Snakefile is parsed (and ``config
 it too), so that a config a stage would refuse is refused at once, not minutes into a job:
 
 - each prompt file (``sampler.prompts`` of a training run, ``eval.prompts``), read whole as
-  its stage reads it;
+  its stage reads it; where a reward that reads prompts as toy-world captions scores it
+  (:data:`CAPTION_REWARDS`: ``rewards.weights`` the training prompts, ``eval.metrics`` the
+  first ``eval.max_prompts`` evaluation prompts), every prompt it scores parsed as one;
 - each ``backbone.path`` that no toy-world rule builds: a checkpoint of its family
   (:func:`~jagg_pipeline.config.sources.check_pipeline_dir`);
 - each backbone's settings against its checkpoint's ``transformer/config.json`` (read as
@@ -33,7 +35,8 @@ from jagg_pipeline.config.run import BackboneConfig, RewardsConfig, RunConfig
 from jagg_pipeline.config.sources import HUB_REPO, check_pipeline_dir, local_or_hub
 from jagg_pipeline.config.tools import ConfigError
 from jagg_pipeline.io.artifacts import ROUND_FOLDER
-from jagg_pipeline.io.prompts import PromptFileError, check_prompts
+from jagg_pipeline.io.prompts import PromptFileError, check_prompts, prompt_place
+from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES, parse_caption
 from jagg_pipeline.support.errors import shown
 from jagg_pipeline.workflow.experiments import WORKFLOW_KEY, Run, WorkflowConfig, toyworld_inputs
 from jagg_pipeline.workflow.model_files import (
@@ -86,6 +89,9 @@ REWARD_FILES: dict[tuple[str, str], ModelFile] = {
     ("toy_clipscore", "model"): ModelFile(True, _clip_folder, hub=False),
 }
 NO_MODEL_FILES: frozenset[str] = frozenset({"jpeg_compressibility", "toy_attributes"})
+# Rewards that score only toy-world captions (toy_attributes takes its truth from the
+# caption); toy_clipscore's tokenizer reads any text.
+CAPTION_REWARDS: frozenset[str] = frozenset({"toy_attributes"})
 
 
 def check_runs(runs: Iterable[Run], workflow: WorkflowConfig) -> list[str]:
@@ -115,11 +121,16 @@ def _checks(run: Run, workflow: WorkflowConfig, trained: Mapping[str, Run]) -> l
     """The checks of one run's inputs."""
     config = run.config
     root = workflow.toyworld.root
-    prompts = [("eval.prompts", "eval.column", config.eval.prompts, config.eval.column)]
+    ev = config.eval
+    scorer = _caption_scorer("eval.metrics", ev.metrics)
+    prompts = [("eval.prompts", "eval.column", ev.prompts, ev.column, scorer, ev.max_prompts)]
     if run.policy is None:
         sampler = config.sampler
         column = sampler.prompt_column
-        prompts.append(("sampler.prompts", "sampler.prompt_column", sampler.prompts, column))
+        scorer = _caption_scorer("rewards.weights", config.rewards.weights)
+        prompts.append(
+            ("sampler.prompts", "sampler.prompt_column", sampler.prompts, column, scorer, None)
+        )
     checks: list[Check] = [(_prompt_problem, args) for args in prompts]
     toy = toyworld_inputs(config, root)
     spec = config.backbone
@@ -134,12 +145,41 @@ def _checks(run: Run, workflow: WorkflowConfig, trained: Mapping[str, Run]) -> l
     return checks
 
 
-def _prompt_problem(key: str, column_key: str, source: str, column: str | None) -> str | None:
-    """A prompt source, read whole as its stage reads it."""
+def _caption_scorer(key: str, rewards: Iterable[str]) -> tuple[str, str] | None:
+    """(``key``, reward) of the first of ``rewards`` that scores only toy captions, or None."""
+    return next(((key, name) for name in rewards if name in CAPTION_REWARDS), None)
+
+
+def _prompt_problem(
+    key: str,
+    column_key: str,
+    source: str,
+    column: str | None,
+    scorer: tuple[str, str] | None,
+    scored: int | None,
+) -> str | None:
+    """A prompt source, read whole as its stage reads it, and its toy captions if need be.
+
+    ``scorer``: (the key, the reward) that scores the source's first ``scored`` prompts
+    (None: all) as toy-world captions; None: no such reward scores it.
+    """
     try:
-        check_prompts(source, column)
+        prompts = check_prompts(source, column)
     except PromptFileError as err:
         return f"{key}: {err}; fix {key} or {column_key}"
+    if scorer is None or prompts is None:  # a toy set holds toy captions only
+        return None
+    for number, prompt in enumerate(prompts[:scored], 1):
+        try:
+            parse_caption(prompt)
+        except ValueError:
+            rewards, reward = scorer
+            return (
+                f"{key}: {source}: {prompt_place(source, number)}, {shown(prompt)}, is not a "
+                f"toy-world caption, and {reward} in {rewards} scores only those; put a real "
+                f"reward model in {rewards}, or use toy captions (such as "
+                f"{ALL_ATTRIBUTES[0].caption()!r}, or the sets toy:train / toy:heldout)"
+            )
     return None
 
 
