@@ -207,7 +207,10 @@ def test_exact_and_jagg_forward_and_backward_counts(window):
     }
     for mode, counts in expected.items():
         net = Counting(p.backbone.module, p.latents.shape[0])
-        stats = jagg.window_gradient(net, p.objective(), p.latents, p.sigmas, p.cond, steps, mode)
+        # The joint endpoint backward's counts (the sequential one's: below).
+        stats = jagg.window_gradient(
+            net, p.objective(), p.latents, p.sigmas, p.cond, steps, mode, endpoint_backward="joint"
+        )
         assert dict(calls=net.calls, rows=net.rows, backward_calls=net.backward_calls) == counts
         assert (stats.network_calls, stats.forward_rows, stats.backward_calls) == (
             counts["calls"],
@@ -362,6 +365,7 @@ def test_unstacked_forwards_keep_ratio_exactly_one_and_the_same_gradient():
         window=4,
         mode="jagg",
         stack_forwards=False,
+        endpoint_backward="joint",
     )
     for k in p.steps:
         assert torch.equal(objective.seen[k], p.old_log_probs[:, k])

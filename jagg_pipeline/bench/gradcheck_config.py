@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from jagg_pipeline.core.options import EndpointBackward, NoInterpVariant, Weights, option_field
+
 BACKBONES: tuple[str, ...] = ("affine", "mlp-dit", "tiny-flux", "tiny-sd3", "tiny-qwenimage")
 TRAJECTORIES: tuple[str, ...] = ("chord", "sde")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "float64")
@@ -28,9 +30,8 @@ class GradcheckConfig:
     shift: float = 3.0
     noise_level: float = 0.7
     clip_range: float = 1e-4
-    weights: Literal["time", "index"] = "time"
-    no_interp: Literal["drop", "nearest"] = "drop"
-    # As training's default (jagg.endpoint_backward), so the backward calls counted here are
-    # the ones a training step makes.
-    endpoint_backward: Literal["joint", "sequential"] = "sequential"
+    # The engines' own defaults (core.options), the ones a training step uses.
+    weights: Weights = option_field("weights")
+    no_interp: NoInterpVariant = option_field("no_interp")
+    endpoint_backward: EndpointBackward = option_field("endpoint_backward")
     seed: int = 0

@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         TRAJECTORIES,
         GradcheckConfig,
     )
+    from jagg_pipeline.core.options import option_choices, option_help
 
     defaults = GradcheckConfig()
     p = sub.add_parser(
@@ -83,25 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=defaults.shift,
         help="static schedule shift (analytic backbones; tiny-* use their checkpoint's scheduler)",
     )
-    p.add_argument(
-        "--weights",
-        choices=("time", "index"),
-        default=defaults.weights,
-        help="interpolation weights: 'time' (correct) or 'index' (j/(W-1), for the ablation)",
-    )
-    p.add_argument(
-        "--no-interp",
-        choices=("drop", "nearest"),
-        default=defaults.no_interp,
-        help="no_interp variant: drop interior signals, or hand each to the nearer endpoint",
-    )
-    p.add_argument(
-        "--endpoint-backward",
-        choices=("joint", "sequential"),
-        default=defaults.endpoint_backward,
-        help="one backward call per window over both endpoints, or one per endpoint (the "
-        "same gradient)",
-    )
+    for option in ("weights", "no_interp", "endpoint_backward"):
+        p.add_argument(
+            f"--{option.replace('_', '-')}",
+            choices=option_choices(option),
+            default=getattr(defaults, option),
+            help=option_help(option),
+        )
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed for model and data")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument(

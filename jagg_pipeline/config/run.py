@@ -29,6 +29,15 @@ from jagg_pipeline.config.tools import (
     json_schema,
 )
 from jagg_pipeline.config.tools import load_yaml as _load_yaml
+from jagg_pipeline.core.options import (
+    DEFAULT_OPTIONS,
+    Anchors,
+    EndpointBackward,
+    GradMode,
+    NoInterpVariant,
+    Weights,
+    option_field,
+)
 
 # The names of jagg_pipeline.backbones.loading.DTYPES / jagg_pipeline.rewards.base.DTYPES (each
 # module checks at import that they agree).
@@ -439,16 +448,9 @@ class GRPOConfig:
 class JaggConfig:
     """Which gradient engine trains the windows of trained steps, and how they are routed."""
 
-    mode: Literal["exact", "jagg", "no_interp"] = field(
-        "jagg", help="exact baseline, JAGG, or the no-interpolation ablation"
-    )
+    mode: GradMode = field("jagg", help="exact baseline, JAGG, or the no-interpolation ablation")
     window: int = field(4, help="W: trained steps per window (>= 2)", minimum=2)
-    anchors: Literal["separate", "shared"] = field(
-        "separate",
-        help="'separate': each window interpolates between its own two ends (2 rows per W "
-        "steps); 'shared': adjacent windows share their boundary step, so anchors come every "
-        "W - 1 steps (about one row per W - 1 steps, the same interpolation span)",
-    )
+    anchors: Anchors = option_field("anchors")
     jagg_frac: float | Literal["auto"] = field(
         1.0,
         help="fraction of windows (from high noise) routed to the approximation, or 'auto' "
@@ -456,17 +458,9 @@ class JaggConfig:
         minimum=0,
         maximum=1,
     )
-    weights: Literal["time", "index"] = field(
-        "time", help="interpolation weights: t-weights (correct) or index (ablation)"
-    )
-    no_interp: Literal["drop", "nearest"] = field(
-        "drop", help="no_interp variant: drop interior signals or hand them to the nearer endpoint"
-    )
-    stack_forwards: bool = field(
-        True,
-        help="one stacked endpoint forward (fast); false keeps the rollout's batch composition "
-        "so log-probs recompute bit for bit",
-    )
+    weights: Weights = option_field("weights")
+    no_interp: NoInterpVariant = option_field("no_interp")
+    stack_forwards: bool = option_field("stack_forwards")
     auto_threshold: float = field(
         0.8, help="'auto': minimum cos-sim to route a window to jagg", minimum=-1, maximum=1
     )
@@ -481,12 +475,7 @@ class JaggConfig:
         "checked by value: a window whose recomputed endpoints differ from the stored ones "
         "beyond the compute precision's rounding recomputes its interiors",
     )
-    endpoint_backward: Literal["joint", "sequential"] = field(
-        "sequential",
-        help="'sequential': each window endpoint's forward and backward on its own (the "
-        "activation memory of exact, two backward calls); 'joint': one stacked forward and one "
-        "backward (two endpoints' activations alive at once)",
-    )
+    endpoint_backward: EndpointBackward = option_field("endpoint_backward")
     probe_every: int = field(
         0,
         help="also probe every window's cos-sim with the exact gradient every K rounds, for the "
@@ -496,13 +485,7 @@ class JaggConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """The options every gradient-engine call of a run takes (training and probes)."""
-        return {
-            "anchors": self.anchors,
-            "weights": self.weights,
-            "no_interp": self.no_interp,
-            "stack_forwards": self.stack_forwards,
-            "endpoint_backward": self.endpoint_backward,
-        }
+        return {name: getattr(self, name) for name in DEFAULT_OPTIONS.as_kwargs()}
 
 
 def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:

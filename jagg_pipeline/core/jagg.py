@@ -28,20 +28,23 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from jagg_pipeline.core.options import (
+    ANCHORS,
+    DEFAULT_OPTIONS,
+    ENDPOINT_BACKWARDS,
+    GRAD_MODES,
+    Anchors,
+    EndpointBackward,
+    GradMode,
+    NoInterpVariant,
+    Weights,
+)
 from jagg_pipeline.core.sde import Velocity, sigma_batch
 
-GradMode = Literal["exact", "jagg", "no_interp"]
-GRAD_MODES: tuple[str, ...] = ("exact", "jagg", "no_interp")
-Weights = Literal["time", "index"]
-NoInterpVariant = Literal["drop", "nearest"]
-EndpointBackward = Literal["joint", "sequential"]
-ENDPOINT_BACKWARDS: tuple[str, ...] = ("joint", "sequential")
-Anchors = Literal["separate", "shared"]
-ANCHORS: tuple[str, ...] = ("separate", "shared")
 # (v_k, k) -> scalar loss of trained step k; must depend on parameters only through v_k.
 StepLoss = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -85,7 +88,7 @@ def repeat_cond(cond: Any, times: int) -> Any:
 
 
 def interpolation_weights(
-    sigmas: torch.Tensor, steps: Sequence[int], weights: Weights = "time"
+    sigmas: torch.Tensor, steps: Sequence[int], weights: Weights = DEFAULT_OPTIONS.weights
 ) -> list[float]:
     """alpha_j of each step of a window: t-weights (t_0 - t_j)/(t_0 - t_{W-1}) or index j/(W-1).
 
@@ -188,8 +191,8 @@ def anchor_layout(
     sigmas: torch.Tensor,
     windows: Sequence[Sequence[int]],
     mode: str,
-    weights: Weights = "time",
-    no_interp: NoInterpVariant = "drop",
+    weights: Weights = DEFAULT_OPTIONS.weights,
+    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
 ) -> AnchorLayout:
     """The layout of a unit: one window (separate anchors) or a run sharing boundary anchors.
 
@@ -420,11 +423,11 @@ def unit_gradient(
     windows: Sequence[Sequence[int]],
     mode: GradMode,
     *,
-    weights: Weights = "time",
-    no_interp: NoInterpVariant = "drop",
-    stack_forwards: bool = True,
+    weights: Weights = DEFAULT_OPTIONS.weights,
+    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
+    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
     known_velocities: Mapping[int, torch.Tensor] | None = None,
-    endpoint_backward: EndpointBackward = "joint",
+    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
     before_backward: Callable[[bool], None] | None = None,
 ) -> list[WindowStats]:
     """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one unit.
@@ -494,7 +497,7 @@ def unit_gradient(
 
 
 def split_windows(
-    steps: Sequence[int], window: int, anchors: Anchors = "separate"
+    steps: Sequence[int], window: int, anchors: Anchors = DEFAULT_OPTIONS.anchors
 ) -> list[list[int]]:
     """The trained steps each window owns, in order; the last window may be shorter (ragged).
 
@@ -522,7 +525,9 @@ def route_windows(n_windows: int, jagg_frac: float) -> list[bool]:
     return [i < n_routed for i in range(n_windows)]
 
 
-def approximated_units(routed: Sequence[bool], anchors: Anchors = "separate") -> list[list[int]]:
+def approximated_units(
+    routed: Sequence[bool], anchors: Anchors = DEFAULT_OPTIONS.anchors
+) -> list[list[int]]:
     """The window indices of each approximated unit.
 
     Every routed window alone (separate), or each run of consecutive routed windows (shared:
@@ -544,8 +549,8 @@ def reusable_steps(
     window: int,
     routed: Sequence[bool] | None,
     mode: str,
-    no_interp: NoInterpVariant = "drop",
-    anchors: Anchors = "separate",
+    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
+    anchors: Anchors = DEFAULT_OPTIONS.anchors,
 ) -> list[int]:
     """The trained steps whose sampled velocities an on-policy JAGG step can reuse.
 
@@ -633,7 +638,7 @@ def accumulate_gradient(
     routed: Sequence[bool],
     mode: GradMode,
     set_sync: Callable[[bool], None] | None = None,
-    anchors: Anchors = "separate",
+    anchors: Anchors = DEFAULT_OPTIONS.anchors,
     **engine_options: Any,
 ) -> list[list[WindowStats]]:
     """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
@@ -701,12 +706,12 @@ def trajectory_gradient(
     mode: GradMode,
     jagg_frac: float = 1.0,
     routing: Sequence[bool] | None = None,
-    anchors: Anchors = "separate",
-    weights: Weights = "time",
-    no_interp: NoInterpVariant = "drop",
-    stack_forwards: bool = True,
+    anchors: Anchors = DEFAULT_OPTIONS.anchors,
+    weights: Weights = DEFAULT_OPTIONS.weights,
+    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
+    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
     known_velocities: Mapping[int, torch.Tensor] | None = None,
-    endpoint_backward: EndpointBackward = "joint",
+    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
@@ -822,11 +827,11 @@ def probe_windows(
     steps: Sequence[int],
     *,
     window: int,
-    anchors: Anchors = "separate",
-    weights: Weights = "time",
-    no_interp: NoInterpVariant = "drop",
-    stack_forwards: bool = True,
-    endpoint_backward: EndpointBackward = "joint",
+    anchors: Anchors = DEFAULT_OPTIONS.anchors,
+    weights: Weights = DEFAULT_OPTIONS.weights,
+    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
+    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
+    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
 ) -> list[WindowProbe]:
     """Per window, cos-sim and relative error of the jagg and no_interp gradients vs exact.
 
