@@ -242,3 +242,35 @@ def test_a_renamed_workflow_key_is_refused_naming_the_new_one():
 
     with pytest.raises(ConfigError, match=r"workflow\.report: .*is now workflow\.comparison"):
         split({"workflow": {"report": ["all"]}})
+
+
+def _key_comments(text: str) -> dict[str, str]:
+    """section.key -> the comment lines above it (whitespace-normalised), of a commented YAML."""
+    comments, pending, section = {}, [], None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        if stripped and ":" in stripped and not stripped.startswith("-"):
+            key = stripped.split(":", 1)[0]
+            if not line.startswith(" "):
+                section = key
+            elif line.startswith("  ") and not line.startswith("   ") and pending:
+                comments[f"{section}.{key}"] = " ".join(" ".join(pending).split())
+        pending = []
+    return comments
+
+
+def test_config_yaml_comments_are_the_help_texts():
+    from pathlib import Path
+
+    from jagg_pipeline.config.run import schema
+    from jagg_pipeline.config.tools import commented_yaml
+
+    # config.yaml's base sections are the template's, hand-wrapped and with their own values.
+    template = _key_comments(commented_yaml(schema(), to_dict(RunConfig())))
+    ours = _key_comments((Path(__file__).parents[1] / "config.yaml").read_text())
+    shared = template.keys() & ours.keys()
+    assert len(shared) > 50
+    assert {key: ours[key] for key in shared} == {key: template[key] for key in shared}
