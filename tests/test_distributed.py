@@ -43,9 +43,12 @@ def test_fsdp_sums_rank_gradients_and_reduces_once_per_group(tiny_sd3, tmp_path)
     # A jagg window of W = 4 makes ONE backward call (both endpoints stacked): one
     # reduce-scatter per group; the exact window makes 4.
     assert report["jagg_window_reduce_scatters"] == groups
+    # The sequential endpoint backward (training's default): one call per endpoint.
+    assert report["sequential_jagg_window_reduce_scatters"] == 2 * groups
     assert report["exact_window_reduce_scatters"] == 4 * groups
-    # A whole optimizer step (2 micro-batches x a jagg and an exact window = 6 backward
-    # calls) reduces once per group: sync only on the last backward call.
+    # A whole optimizer step (2 micro-batches x a jagg window's 2 sequential endpoint calls
+    # and an exact window's 2 = 8 backward calls) reduces once per group: sync only on the
+    # last backward call.
     assert report["step_reduce_scatters"] == groups
     # Each rank normalises by the GLOBAL sample count and FSDP2 sums (it would average by
     # default, giving half): the sharded gradient is the one-process gradient (float64).

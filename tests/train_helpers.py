@@ -289,12 +289,24 @@ def _worker(checkpoint: Path, out: Path) -> None:
         params = sharded.trainable_parameters()
         mine = part([2 * ctx.rank, 2 * ctx.rank + 1])
         distributed.set_gradient_sync(sharded.transformer, True)
-        for mode in ("jagg", "exact"):
+        # (name, mode, endpoint backward): the joint one stacks both endpoints in one call.
+        for name, mode, backward in (
+            ("jagg", "jagg", "joint"),
+            ("sequential_jagg", "jagg", "sequential"),
+            ("exact", "exact", "joint"),
+        ):
             before = counter["calls"]
             jagg.window_gradient(
-                sharded.velocity, mine.objective, mine.latents, sigmas, mine.cond, steps, mode
+                sharded.velocity,
+                mine.objective,
+                mine.latents,
+                sigmas,
+                mine.cond,
+                steps,
+                mode,
+                endpoint_backward=backward,
             )
-            report[f"{mode}_window_reduce_scatters"] = counter["calls"] - before
+            report[f"{name}_window_reduce_scatters"] = counter["calls"] - before
             for p in params:
                 p.grad = None
 
