@@ -2,28 +2,8 @@ import math
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 from jagg_pipeline.core import sde
-
-FLUX_SCHEDULER = {
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-}
-QWEN_SCHEDULER = {
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "base_shift": math.log(3),
-    "max_shift": math.log(3),
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-    "use_dynamic_shifting": True,
-}
 
 
 def test_static_shift_matches_formula_and_endpoints():
@@ -33,28 +13,6 @@ def test_static_shift_matches_formula_and_endpoints():
     assert sig[0] == 1 and sig[-1] == 0
     assert torch.all(sig[1:] < sig[:-1])
     assert torch.equal(sde.static_shift_sigmas(8, 1.0), u)
-
-
-@pytest.mark.parametrize(
-    ("config", "seq_len"), [(FLUX_SCHEDULER, 1024), (FLUX_SCHEDULER, 64), (QWEN_SCHEDULER, 4096)]
-)
-def test_dynamic_shift_matches_diffusers_scheduler(config, seq_len):
-    steps = 12
-    scheduler = FlowMatchEulerDiscreteScheduler(**config)
-    mu = sde.dynamic_shift_mu(seq_len, config)
-    base = [1.0 - i * (1.0 - 1.0 / steps) / (steps - 1) for i in range(steps)]
-    scheduler.set_timesteps(sigmas=base, mu=mu)
-    ours = sde.dynamic_shift_sigmas(steps, seq_len, config)
-    assert torch.allclose(ours.float(), scheduler.sigmas, atol=2e-6)
-
-
-def test_dynamic_shift_mu_is_the_line_through_the_config_points():
-    assert sde.dynamic_shift_mu(256, FLUX_SCHEDULER) == pytest.approx(0.5)
-    assert sde.dynamic_shift_mu(4096, FLUX_SCHEDULER) == pytest.approx(1.15)
-    with pytest.raises(KeyError, match="max_shift"):
-        sde.dynamic_shift_mu(
-            256, {"base_image_seq_len": 1, "max_image_seq_len": 2, "base_shift": 0}
-        )
 
 
 def _velocity_and_state(gen, shape=(3, 2, 4, 4)):

@@ -30,6 +30,7 @@ from jagg_pipeline.cli import (
     toyworld,
     track,
     train,
+    verify,
 )
 
 COMMANDS = (
@@ -46,6 +47,7 @@ COMMANDS = (
     evaluate,
     launch,
     export,
+    verify,
     summarize,
     track,
     compare,

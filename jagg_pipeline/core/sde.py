@@ -11,7 +11,7 @@ rewards or GRPO: a sampler takes any velocity callable ``(z, sigma, cond) -> v``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,59 +39,6 @@ def static_shift_sigmas(num_steps: int, shift: float, dtype: torch.dtype = torch
         raise ValueError(f"shift must be > 0, got {shift}")
     u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return (shift * u / (1.0 + (shift - 1.0) * u)).to(dtype)
-
-
-_DYNAMIC_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
-
-
-def dynamic_shift_mu(image_seq_len: int, scheduler_config: Mapping[str, Any]) -> float:
-    """Dynamic-shift mu = m L + b through (base_image_seq_len, base_shift), (max_..., max_shift).
-
-    ``scheduler_config`` is the dict of a checkpoint's ``scheduler/scheduler_config.json``; L is
-    the number of packed image tokens.
-    """
-    missing = [k for k in _DYNAMIC_KEYS if k not in scheduler_config]
-    if missing:
-        raise KeyError(
-            f"scheduler config lacks {missing} needed for dynamic shifting; "
-            "is this a Flux/QwenImage scheduler_config.json?"
-        )
-    base_len = float(scheduler_config["base_image_seq_len"])
-    max_len = float(scheduler_config["max_image_seq_len"])
-    base_shift = float(scheduler_config["base_shift"])
-    max_shift = float(scheduler_config["max_shift"])
-    slope = (max_shift - base_shift) / (max_len - base_len)
-    return slope * image_seq_len + base_shift - slope * base_len
-
-
-def dynamic_shift_sigmas(
-    num_steps: int,
-    image_seq_len: int,
-    scheduler_config: Mapping[str, Any],
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """The Flux/QwenImage schedule: base sigmas linspace(1, 1/N, N), time-shifted by mu, then 0.
-
-    Follows the checkpoint's scheduler config: ``time_shift_type`` ("exponential":
-    e^mu / (e^mu + 1/sigma - 1); "linear": mu / (mu + 1/sigma - 1)) and ``shift_terminal``
-    (the last non-zero sigma is stretched to that value, as QwenImage does).
-    """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    mu = dynamic_shift_mu(image_seq_len, scheduler_config)
-    base = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
-    shift_type = scheduler_config.get("time_shift_type", "exponential")
-    if shift_type == "exponential":
-        sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / base - 1.0))
-    elif shift_type == "linear":
-        sigmas = mu / (mu + (1.0 / base - 1.0))
-    else:
-        raise ValueError(f"scheduler config time_shift_type={shift_type!r} is not supported")
-    terminal = scheduler_config.get("shift_terminal")
-    if terminal:
-        one_minus = 1.0 - sigmas
-        sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - float(terminal)))
-    return torch.cat([sigmas, sigmas.new_zeros(1)]).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ def _listed_digests(path: Path, algorithm: str) -> dict[str, str] | None:
         return None
     listed = manifest["files"]
     root = output.parent if output.is_file() else output
-    on_disk = {f.relative_to(root).as_posix(): f for f in _data_files(path)}
+    on_disk = {f.relative_to(root).as_posix(): f for f in data_files(path)}
     if path.is_dir() and path != root:
         prefix = path.relative_to(root).as_posix() + "/"
         wanted = {name for name in listed if name.startswith(prefix)}
@@ -324,7 +324,7 @@ def digest_path(path: str | Path, algorithm: str = DIGEST_ALGORITHM) -> str:
 _HIDDEN_DATA = (METADATA_FILE,)
 
 
-def _data_files(path: Path) -> list[Path]:
+def data_files(path: Path) -> list[Path]:
     """The files whose bytes are the output: all but its manifest, metrics and hidden files."""
     if path.is_file():
         return [path]
@@ -351,7 +351,7 @@ def file_digests(
     """
     output = Path(output)
     root = output.parent if output.is_file() else output
-    files = {f.relative_to(root).as_posix(): f for f in _data_files(output)}
+    files = {f.relative_to(root).as_posix(): f for f in data_files(output)}
     recorded = dict(recorded or {})
     if absent := sorted(set(recorded) - set(files)):
         raise ValueError(f"{output}: digests were recorded for files it lacks: {absent[:3]}")
@@ -359,6 +359,15 @@ def file_digests(
         name: recorded.get(name) or recorded_digest(file, algorithm) or file_digest(file, algorithm)
         for name, file in files.items()
     }
+
+
+def listed_files(output: str | Path) -> dict[str, Any]:
+    """The ``digest_algorithm`` and ``files`` entries of a manifest of ``output`` as it is now.
+
+    For outputs written outside the stage contract (the toy world's folders), so that
+    ``verify`` and :func:`digest_path` can rely on their listing like any stage's.
+    """
+    return {"digest_algorithm": DIGEST_ALGORITHM, "files": file_digests(output)}
 
 
 def recorded_digests(folder: str | Path, algorithm: str = DIGEST_ALGORITHM) -> dict[str, str]:
@@ -370,7 +379,7 @@ def recorded_digests(folder: str | Path, algorithm: str = DIGEST_ALGORITHM) -> d
     folder = Path(folder)
     return {
         file.relative_to(folder).as_posix(): found
-        for file in _data_files(folder)
+        for file in data_files(folder)
         if (found := recorded_digest(file, algorithm)) is not None
     }
 

@@ -37,6 +37,7 @@ from jagg_pipeline.config.tools import digest
 from jagg_pipeline.core import sde
 from jagg_pipeline.io.artifacts import atomic_directory, atomic_write_json
 from jagg_pipeline.io.figures import save_curves, save_image_grid
+from jagg_pipeline.io.manifest import listed_files
 from jagg_pipeline.rewards import load_reward, parse_spec, to_unit_float
 from jagg_pipeline.rewards import toy_scene as data
 from jagg_pipeline.rewards.base import to_uint8
@@ -113,6 +114,7 @@ def ensure_clip(out: Path, settings: ToyClipConfig, progress: bool = True) -> di
                 "settings": dataclasses.asdict(settings),
                 "settings_digest": wanted,
                 "report": report,
+                **listed_files(tmp),
             },
         )
     return report
@@ -222,7 +224,12 @@ def finish_backbone(
         shutil.copytree(staged / "pipeline", tmp, dirs_exist_ok=True)
         atomic_write_json(
             tmp / "manifest.json",
-            {"stage": "toyworld-backbone", "settings_digest": digest(settings), "report": report},
+            {
+                "stage": "toyworld-backbone",
+                "settings_digest": digest(settings),
+                "report": report,
+                **listed_files(tmp),
+            },
         )
     order = torch.arange(0, len(captions), settings.eval_per_caption)[:16]
     save_image_grid(
