@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from jagg_pipeline.io.artifacts import ROUND_PREFIX
+from jagg_pipeline.io.tables import markdown_table
 
 COMMANDS = ("config", "gradcheck", "toyworld", "rollout", "score", "train", "evaluate", "summarize")
 STAGES = ("rollout", "score", "train", "evaluate")
@@ -171,12 +172,6 @@ def measure_tree(tree: Path, config: Path, work: Path) -> dict[str, Any]:
     return out
 
 
-def markdown(head: list[str], rows: list[list[str]]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def median_of(repeats: list[dict[str, Any]], *keys: str) -> float:
     """The median over ``repeats`` of the value at ``keys`` (NaN where none has it)."""
     values = []
@@ -222,7 +217,7 @@ def workflow_table(results: Path) -> str:
     for stage in STAGES:
         values = [job_seconds(results, stage), *(stages.get(stage, {}).get(p) for p in PARTS)]
         rows.append([stage, *("-" if v is None else f"{v:.2f}" for v in values)])
-    return markdown(["stage", "median job s", "import s", "load s", "work s"], rows)
+    return markdown_table(["stage", "median job s", "import s", "load s", "work s"], rows)
 
 
 def main() -> None:
@@ -259,7 +254,7 @@ def main() -> None:
         return [median_of(repeats[name], *keys) for name in names]
 
     print(
-        markdown(
+        markdown_table(
             ["command", *heads("--help s"), *ratio],
             [[command, *side_by_side(row("help", command))] for command in COMMANDS],
         )
@@ -272,7 +267,7 @@ def main() -> None:
         totals = [i + lo for i, lo in zip(imports, loads, strict=True)]
         rows.append([stage, *[f"{v:.2f}" for v in imports + loads], *side_by_side(totals)])
     head = ["stage", *heads("import s"), *heads("load s"), *heads("start-up s"), *ratio]
-    print(markdown(head, rows))
+    print(markdown_table(head, rows))
     print("\nStage jobs on the toy world: wall s, and what the job records in the this tree")
     print("(other: writing outputs and the process's exit):\n")
     rows = []
@@ -284,7 +279,7 @@ def main() -> None:
         cells = [f"{s:.2f}" for s in (*split, other)]
         rows.append([stage, *side_by_side(wall), *cells, f"{share:.0%}"])
     head = ["stage", *heads("job s"), *ratio, "import s", "load s", "work s", "other s"]
-    print(markdown([*head, "overhead share"], rows))
+    print(markdown_table([*head, "overhead share"], rows))
     bare = statistics.median(run(here, ["-c", "pass"])[0] for _ in range(args.repeat))
     print(f"\n(bare interpreter start: {bare:.2f} s)")
     if args.results:

@@ -1,16 +1,18 @@
 """Tables on disk: reading json/jsonl/csv/parquet rows and writing csv/jsonl/parquet atomically.
 
 Prompt files, image manifests and the per-sample score tables between the score and train
-stages all go through here, and the numbers of every table the reports print through
-:func:`format_number`.
+stages all go through here, the numbers of every table the reports print through
+:func:`format_number`, and their tables through :func:`markdown_table` and :func:`html_table`.
 """
 
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,21 @@ def format_number(value: float, spec: str = ".3f") -> str:
     if isinstance(value, float) and format(abs(value), spec) == format(0.0, spec):
         return format(0.0, spec)
     return text
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table of the cells as given (one header row), ending with a newline."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def html_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """The same table as HTML, each cell escaped."""
+
+    def row(tag: str, cells: Sequence[str]) -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>\n"
+
+    return "<table>\n" + row("th", head) + "".join(row("td", r) for r in rows) + "</table>"
 
 
 def read_text(path: str | os.PathLike[str]) -> str:

@@ -33,6 +33,7 @@ from jagg_pipeline.io.figures import (
     save_figure,
     variant_colours,
 )
+from jagg_pipeline.io.tables import html_table, markdown_table
 from jagg_pipeline.reports.summary import (
     UPDATE_PARTS,
     RunMetrics,
@@ -40,7 +41,7 @@ from jagg_pipeline.reports.summary import (
     stage_seconds,
     stage_table,
     summarise,
-    table,
+    table_cells,
 )
 
 PROBE = re.compile(r"^probe\.(\d+)\.(jagg|no_interp)\.cos_sim$")
@@ -328,19 +329,13 @@ def plot_cos_sims(
 def _html(
     title: str,
     source: str,
-    markdown: str,
+    cells: tuple[Sequence[str], Sequence[Sequence[str]]],
     images: Mapping[str, str],
     several: bool = True,
     notes: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
-    """The page: the table of ``markdown``, then each image with its caption and ``notes``."""
-    rows = [line for line in markdown.splitlines() if line.startswith("|")]
-    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    head, body = (cells[0], cells[2:]) if cells else ([], [])
-    table_html = "<table>\n<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>\n"
-    for row in body:
-        table_html += "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n"
-    table_html += "</table>"
+    """The page: the table of ``cells`` (head, rows), then each image, its caption, ``notes``."""
+    table_html = html_table(*cells)
     spread = (
         "Mean +- std over seeds."
         if several
@@ -373,10 +368,10 @@ def write_comparison(
     """``index.html``, ``table.md`` and the PNGs of ``runs`` in the folder ``out``."""
     out = make_folder(out)
     summary = summarise(runs)
-    markdown = table(summary)
+    cells = table_cells(summary)
     # As the summary's table.md: the variants, then the stages' start-up.
     stages = stage_table(stage_seconds(runs))
-    atomic_write_text(out / "table.md", f"## {title}\n\n{markdown}{stages}")
+    atomic_write_text(out / "table.md", f"## {title}\n\n{markdown_table(*cells)}{stages}")
     several = any(len(s["seeds"]) > 1 for s in summary.values())
     bands = "seed bands" if several else "one seed, n=1"
     images = {"curves.png": f"held-out metrics and rollout reward vs round ({bands})"}
@@ -393,5 +388,5 @@ def write_comparison(
         "per-window cos-sim of each variant's approximation with the exact gradient vs round"
     )
     notes = {"speed.png": speed_notes(seconds, found)}
-    atomic_write_text(out / "index.html", _html(title, source, markdown, images, several, notes))
+    atomic_write_text(out / "index.html", _html(title, source, cells, images, several, notes))
     return summary

@@ -52,7 +52,7 @@ from jagg_pipeline.io.figures import (
     save_figure,
     variant_colours,
 )
-from jagg_pipeline.io.tables import format_number
+from jagg_pipeline.io.tables import format_number, markdown_table
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import PARTS
 
@@ -258,7 +258,12 @@ def summarise(runs: Sequence[RunMetrics]) -> dict[str, Any]:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-    """A markdown table: one row per variant, evaluation metrics base -> final, rise, timing.
+    """:func:`table_cells` as markdown."""
+    return markdown_table(*table_cells(summary))
+
+
+def table_cells(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(head, rows) of a table: one row per variant, metrics base -> final, rise, timing.
 
     Final and rise are mean +- std over the variant's seeds (the ``seeds`` column); a variant
     of one seed shows its values without a +-. Evaluation runs (no training: one evaluation
@@ -266,10 +271,10 @@ def table(summary: Mapping[str, Any]) -> str:
     """
     metrics = sorted({m for s in summary.values() for m in s["final"]})
     if not any(s["train_reward"] or len(s["evaluated_rounds"]) > 1 for s in summary.values()):
-        return _evaluation_table(summary, metrics)
+        return _evaluation_cells(summary, metrics)
     head = ["variant", "seeds", *(f"{m}: base -> final (rise)" for m in metrics)]
     head += ["train reward: first -> last round", "update s/round (fwd + bwd + opt)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for variant, s in summary.items():
         cells = [variant, str(len(s["seeds"]))]
         for m in metrics:
@@ -290,19 +295,20 @@ def table(summary: Mapping[str, Any]) -> str:
         u = {part: format_number(value, ".2f") for part, value in s["update_seconds"].items()}
         total = format_number(sum(s["update_seconds"].values()), ".2f")
         cells.append(f"{total} ({u['forward']} + {u['backward']} + {u['optimizer']})")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return head, rows
 
 
-def _evaluation_table(summary: Mapping[str, Any], metrics: Sequence[str]) -> str:
+def _evaluation_cells(
+    summary: Mapping[str, Any], metrics: Sequence[str]
+) -> tuple[list[str], list[list[str]]]:
     """One row per evaluated variant: each metric's mean (+- std over seeds)."""
-    lines = ["| " + " | ".join(["variant", "seeds", *metrics]) + " |"]
-    lines.append("|" + "---|" * (len(metrics) + 2))
+    rows = []
     for variant, s in summary.items():
         seeds = len(s["seeds"])
         cells = [mean_pm_std(*s["final"][m], seeds) if m in s["final"] else "-" for m in metrics]
-        lines.append("| " + " | ".join([variant, str(seeds), *cells]) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([variant, str(seeds), *cells])
+    return ["variant", "seeds", *metrics], rows
 
 
 def stage_seconds(runs: Sequence[RunMetrics]) -> dict[str, dict[str, Any]]:
@@ -331,22 +337,19 @@ def stage_table(stages: Mapping[str, Mapping[str, Any]]) -> str:
     """
     if not stages:
         return ""
-    lines = [
-        "",
-        "Start-up: median seconds per job (import: process start to the stage; load: inputs "
-        "and models; work: sampling, scoring, training).",
-        "",
-        "| stage | jobs | import s | load s | work s | overhead share |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for stage, s in stages.items():
         cells = ["-" if s[part] is None else format_number(s[part], ".2f") for part in PARTS]
         share = "-"
         if s["import"] is not None:
             overhead = s["import"] + s["load"]
             share = format_number(overhead / (overhead + s["work"]), ".0%")
-        lines.append(f"| {stage} | {s['jobs']} | {' | '.join(cells)} | {share} |")
-    return "\n".join(lines) + "\n"
+        rows.append([stage, str(s["jobs"]), *cells, share])
+    head = ["stage", "jobs", "import s", "load s", "work s", "overhead share"]
+    return (
+        "\nStart-up: median seconds per job (import: process start to the stage; load: inputs "
+        "and models; work: sampling, scoring, training).\n\n" + markdown_table(head, rows)
+    )
 
 
 def plot(summary: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
