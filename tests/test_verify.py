@@ -63,6 +63,18 @@ def test_a_clean_run_verifies_every_output_it_holds(finished):
     assert "all as their manifests say" in result.stdout
     assert "UNVERIFIED" not in result.stdout and "BAD" not in result.stdout
     assert {m.parent.name for m in manifests} >= {"checkpoint", "rollout", "scores", "sd3", "clip"}
+    # A file or folder inside an output, or its manifest, verifies that whole output.
+    checkpoint = f"{RUN}/round-0000/checkpoint"
+    for inside in (
+        f"{checkpoint}/policy",
+        f"{checkpoint}/policy/.metadata",
+        f"{checkpoint}/manifest.json",
+    ):
+        one = verify(finished, inside)
+        assert one.returncode == 0 and "verified 1 output, 7 files" in one.stdout, one.stdout
+    # A folder of no outputs is an error, not a pass.
+    none = verify(finished, "results/logs")
+    assert none.returncode == 1 and "no stage output there" in none.stderr, none.stderr
 
 
 @pytest.mark.slow

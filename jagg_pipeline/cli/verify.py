@@ -88,6 +88,12 @@ def _run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - started
+    if not found.outputs and not found.problems:
+        shown = " ".join(str(p) for p in args.paths)
+        raise SystemExit(
+            f"verify: {shown}: no stage output there (no manifest.json at, above or under it); "
+            "give a run folder, an experiment's folder or results/"
+        )
     for note in found.unverifiable:
         print(f"UNVERIFIED {note}")
     for problem in found.problems:
@@ -111,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     checked = len(found.outputs) - len(found.unverifiable)
     unverifiable = f" ({len(found.unverifiable)} unverifiable)" if found.unverifiable else ""
     summary = (
-        f"verified {checked} outputs{unverifiable}, {found.files} files, "
+        f"verified {checked} output{'s' * (checked != 1)}{unverifiable}, {found.files} files, "
         f"{found.bytes / 1e6:.1f} MB in {seconds:.1f} s"
     )
     if not found.problems:

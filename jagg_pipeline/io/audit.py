@@ -91,6 +91,9 @@ def find_outputs(paths: Iterable[str | Path]) -> tuple[list[Path], list[Problem]
     for top in map(Path, paths):
         if not top.exists():
             raise FileNotFoundError(f"{top}: no such file or folder to verify")
+        if (enclosing := _enclosing_output(top)) is not None:
+            outputs.add(enclosing)
+            continue
         for folder, dirs, files in os.walk(top):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             here = Path(folder)
@@ -110,6 +113,26 @@ def find_outputs(paths: Iterable[str | Path]) -> tuple[list[Path], list[Problem]
                 if name.endswith(FILE_MANIFEST_SUFFIX) and name != FILE_MANIFEST_SUFFIX:
                     outputs.add(here / name[: -len(FILE_MANIFEST_SUFFIX)])
     return sorted(outputs), sorted(lost, key=lambda p: p.path)
+
+
+def _enclosing_output(path: Path) -> Path | None:
+    """The output ``path`` is, is inside, or is the manifest of (none for a folder of outputs).
+
+    A file inside a checkpoint, its ``policy/`` folder, or a manifest given by name all
+    verify their whole output.
+    """
+    if path.is_file():
+        if path.name == MANIFEST_NAME:
+            return path.parent
+        if path.name.endswith(FILE_MANIFEST_SUFFIX):
+            return path.with_name(path.name[: -len(FILE_MANIFEST_SUFFIX)])
+        if path.with_name(path.name + FILE_MANIFEST_SUFFIX).is_file():
+            return path
+    # A folder's own manifest is found by the walk, with the outputs below it.
+    for folder in path.absolute().parents:
+        if (folder / MANIFEST_NAME).is_file():
+            return folder if path.is_absolute() else Path(os.path.relpath(folder))
+    return None
 
 
 def _read(output: Path) -> dict[str, Any] | Problem:
