@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from jagg_pipeline.io.artifacts import (
 from jagg_pipeline.io.manifest import READS, ManifestError, check_made, stage_inputs
 from jagg_pipeline.io.trajectories import TrajectoryBatch, concatenate
 from jagg_pipeline.support.startup import StageClock
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "block"
 
@@ -89,7 +92,7 @@ class BlockOutputs:
         return max(self.rounds)
 
 
-def _complete(path: Path | None, stage: str, config: Any) -> bool:
+def _complete(path: Path | None, stage: str, config: RunConfig) -> bool:
     """Whether ``path`` is a finished ``stage`` output made under this config."""
     if path is None:
         return True
@@ -102,7 +105,7 @@ def _complete(path: Path | None, stage: str, config: Any) -> bool:
     return True
 
 
-def _round_complete(outputs: RoundOutputs, config: Any) -> bool:
+def _round_complete(outputs: RoundOutputs, config: RunConfig) -> bool:
     from jagg_pipeline.io.artifacts import ROUND_STAGES, round_record
 
     records = all(round_record(outputs.folder, stage).is_file() for stage in ROUND_STAGES)
@@ -114,7 +117,7 @@ def _round_complete(outputs: RoundOutputs, config: Any) -> bool:
     )
 
 
-def resume_point(config: Any, outputs: BlockOutputs, policy: str | Path) -> tuple[int, str]:
+def resume_point(config: RunConfig, outputs: BlockOutputs, policy: str | Path) -> tuple[int, str]:
     """Where a block starts: (first round to run, its policy).
 
     After the last checkpoint written inside the block whose rounds before it, and the
@@ -160,7 +163,7 @@ class _Block:
 
     def __init__(
         self,
-        config: Any,
+        config: RunConfig,
         ctx: Any,
         outputs: BlockOutputs,
         policy: str,
@@ -337,7 +340,7 @@ class _Block:
 
 
 def run_block(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     outputs: BlockOutputs,
     *,

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from jagg_pipeline.io.artifacts import (
 )
 from jagg_pipeline.io.manifest import recorded_digests
 from jagg_pipeline.stages import distributed
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "train"
 TRAINER_DIR = "trainer"
@@ -118,7 +121,7 @@ def write_checkpoint(
     target: str | Path,
     contents: CheckpointContents,
     *,
-    config: Any,
+    config: RunConfig,
     seeds: Mapping[str, Any],
     inputs: Mapping[str, str | Path],
     extra: Mapping[str, Any],
@@ -165,7 +168,7 @@ def _write_shards(staging: Path, contents: CheckpointContents) -> None:
 def _write_main_files(
     staging: Path,
     contents: CheckpointContents,
-    config: Any,
+    config: RunConfig,
     seeds: Mapping[str, Any],
     inputs: Mapping[str, str | Path],
     extra: Mapping[str, Any],

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jagg_pipeline.io.artifacts import BASE, METRICS_NAME, append_metrics
 from jagg_pipeline.io.conditioning import (
@@ -35,13 +35,16 @@ from jagg_pipeline.io.manifest import begin_output, finish_output, stage_inputs
 from jagg_pipeline.io.prompts import resolve_prompts
 from jagg_pipeline.support.startup import StageClock
 
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
+
 # Prompts per text-encoder call: T5-XXL's activations for 32 prompts of 512 tokens are a few
 # hundred MB, beside its 9.5 GB of weights.
 BATCH_SIZE = 32
 
 
 def run_encode(
-    config: Any,
+    config: RunConfig,
     prompts: str | Path,
     out: str | Path,
     *,
@@ -101,7 +104,7 @@ def run_encode(
     return out
 
 
-def open_pool(config: Any, conditioning: str | Path | None) -> PoolConditioning | None:
+def open_pool(config: RunConfig, conditioning: str | Path | None) -> PoolConditioning | None:
     """The pool a sampling stage reads its prompts' conditioning from (None: encoded inline).
 
     The folder is checked against ``config``

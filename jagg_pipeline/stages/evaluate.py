@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from jagg_pipeline.rewards import load_reward
 from jagg_pipeline.stages.rollout import RolloutPlan, derive_seed, micro_batches, sample_batches
 from jagg_pipeline.stages.scoring import reward_columns
 from jagg_pipeline.support.startup import StageClock
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "evaluate"
 IMAGES_DIR = "images"
@@ -76,7 +79,7 @@ class Evaluation:
         }
 
 
-def plan_evaluation(config: Any) -> RolloutPlan:
+def plan_evaluation(config: RunConfig) -> RolloutPlan:
     """The fixed prompts, seeds, ODE masks and micro-batches of ``config.eval``."""
     ev = config.eval
     if ev.max_prompts < 1 or ev.samples_per_prompt < 1 or ev.num_steps < 1:
@@ -127,7 +130,7 @@ def _sample_share(
 
 
 def evaluate(
-    config: Any,
+    config: RunConfig,
     backbone: Backbone,
     progress: bool = True,
     clock: StageClock | None = None,
@@ -161,7 +164,7 @@ def evaluate(
     return Evaluation(plan.prompts, plan.group_size, seeds, images, scores)
 
 
-def metric_models(config: Any, device: str | torch.device) -> dict[str, Any]:
+def metric_models(config: RunConfig, device: str | torch.device) -> dict[str, Any]:
     """The reward model of every ``eval.metrics`` name, for a policy on ``device``.
 
     On the reward device of that policy: this rank's ``cuda:LOCAL_RANK``, not the config's
@@ -236,7 +239,7 @@ def _metric_values(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def run_evaluate(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     out: str | Path,
     *,
@@ -283,7 +286,7 @@ def run_evaluate(
 
 
 def write_evaluation_output(
-    config: Any,
+    config: RunConfig,
     out: Path,
     evaluation: Evaluation,
     *,

@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jagg_pipeline.io.artifacts import evaluated_rounds, keep_round_record, round_name
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 
 @dataclass
@@ -50,7 +53,7 @@ class LoopRound:
 
 
 def _scored_rollout(
-    config: Any,
+    config: RunConfig,
     policy: str,
     directory: Path,
     round_index: int,
@@ -83,7 +86,7 @@ def _scored_rollout(
     return rollouts, scores, float(summary["total_mean"])
 
 
-def evaluate_policy(config: Any, policy: str | Path) -> dict[str, float]:
+def evaluate_policy(config: RunConfig, policy: str | Path) -> dict[str, float]:
     """The mean of every ``eval.metrics`` reward for ``policy`` under the evaluate protocol."""
     from jagg_pipeline.stages.evaluate import evaluate
     from jagg_pipeline.stages.policy import load_policy
@@ -101,7 +104,7 @@ def _update_seconds(metrics: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def run_rounds(
-    config: Any,
+    config: RunConfig,
     workdir: str | Path,
     *,
     final_rollout: bool = True,

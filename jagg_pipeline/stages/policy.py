@@ -40,6 +40,7 @@ from jagg_pipeline.io.verify import verify_sharded
 from jagg_pipeline.support.errors import InputError
 
 if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.stages.distributed import DistContext
 
 
@@ -48,7 +49,7 @@ class PolicyError(InputError):
 
 
 def load_policy(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     device: str | torch.device | None = None,
     *,
@@ -73,7 +74,7 @@ def load_policy(
     return backbone
 
 
-def _load(config: Any, policy: str | Path, device: str | torch.device | None) -> Backbone:
+def _load(config: RunConfig, policy: str | Path, device: str | torch.device | None) -> Backbone:
     spec = config.backbone
     if device is not None:
         spec = dataclasses.replace(spec, device=str(device))
@@ -90,7 +91,7 @@ def _load(config: Any, policy: str | Path, device: str | torch.device | None) ->
 
 
 def load_sharded_policy(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     ctx: DistContext,
     *,
@@ -147,7 +148,7 @@ def load_sharded_policy(
     return backbone
 
 
-def check_checkpoint(config: Any, checkpoint: str | Path) -> dict[str, Any]:
+def check_checkpoint(config: RunConfig, checkpoint: str | Path) -> dict[str, Any]:
     """Refuse ``checkpoint`` unless it is a finished ``train`` output of this backbone section.
 
     Returns its manifest. Nothing is hashed here: a consumer verifies the files it reads.
@@ -226,7 +227,7 @@ class Export(NamedTuple):
     replaced: bool
 
 
-def export_policy(config: Any, checkpoint: str | Path, out: str | Path) -> Export:
+def export_policy(config: RunConfig, checkpoint: str | Path, out: str | Path) -> Export:
     """Write a checkpoint's policy in a hub format into ``out`` (atomically).
 
     LoRA: an adapter folder that diffusers' ``pipe.load_lora_weights``, peft's

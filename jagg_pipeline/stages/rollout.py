@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from jagg_pipeline.io.trajectories import TrajectoryBatch, concatenate
 from jagg_pipeline.rewards.base import to_uint8
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import StageClock
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "rollout"
 SHARD_FILES = ("shard-*.safetensors", "shard-*.json")
@@ -126,7 +129,7 @@ class RolloutPlan:
         return self.micro_batches[rank::world_size]
 
 
-def plan_rollout(config: Any, pool: Sequence[str], round_index: int = 0) -> RolloutPlan:
+def plan_rollout(config: RunConfig, pool: Sequence[str], round_index: int = 0) -> RolloutPlan:
     """Round ``round_index`` of ``config``: prompts drawn from ``pool``, seeds, masks, batches."""
     sampler, seed = config.sampler, config.train.seed
     prompts = draw_prompts(
@@ -149,7 +152,7 @@ def plan_rollout(config: Any, pool: Sequence[str], round_index: int = 0) -> Roll
     )
 
 
-def velocity_steps(config: Any, trained_steps: Sequence[int]) -> list[int]:
+def velocity_steps(config: RunConfig, trained_steps: Sequence[int]) -> list[int]:
     """The trained steps whose velocities the rollout stores: those training can reuse.
 
     None unless ``sampler.store_velocities`` and ``jagg.reuse_velocities``; then the steps of
@@ -326,7 +329,7 @@ def sample_rollout(
 
 
 def run_rollout(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     prompts: str | Path,
     out: str | Path,
@@ -407,7 +410,7 @@ def rollout_metrics(
 
 
 def finish_rollout(
-    config: Any,
+    config: RunConfig,
     out: Path,
     shard: TrajectoryBatch,
     plan: RolloutPlan,

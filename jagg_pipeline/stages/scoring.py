@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from jagg_pipeline.io.tables import write_table
 from jagg_pipeline.io.trajectories import RolloutReader, TrajectoryBatch
 from jagg_pipeline.rewards import MultiReward, RewardFn, to_unit_float
 from jagg_pipeline.support.startup import StageClock
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "score"
 
@@ -147,7 +150,7 @@ def _flat_summary(scores: Scores) -> dict[str, float]:
 
 
 def run_score(
-    config: Any,
+    config: RunConfig,
     rollouts: str | Path,
     out: str | Path,
     *,
@@ -182,7 +185,7 @@ def run_score(
     return scores
 
 
-def reward_models(config: Any, device: str | torch.device | None = None) -> MultiReward:
+def reward_models(config: RunConfig, device: str | torch.device | None = None) -> MultiReward:
     """The weighted rewards of ``config.rewards``, with the ``advantage`` group statistics.
 
     On ``device`` (None: ``rewards.device``, else ``backbone.device``).
@@ -199,7 +202,7 @@ def reward_models(config: Any, device: str | torch.device | None = None) -> Mult
 
 
 def write_scores(
-    config: Any,
+    config: RunConfig,
     out: str | Path,
     scores: Scores,
     *,

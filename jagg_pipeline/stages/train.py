@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,6 +63,9 @@ from jagg_pipeline.stages.scoring import table_path
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import StageClock
 from jagg_pipeline.support.timing import ForwardClock
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 _TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
 
@@ -142,7 +145,7 @@ def _rollout_micro_batches(rollouts: Path, made: dict[str, Any], size: int) -> l
 
 
 def load_round_data(
-    config: Any, policy: str | Path, rollouts: str | Path, scores: str | Path
+    config: RunConfig, policy: str | Path, rollouts: str | Path, scores: str | Path
 ) -> RoundData:
     """Read and cross-check a round's inputs; errors name the file that does not fit.
 
@@ -177,7 +180,9 @@ def load_round_data(
     )
 
 
-def verify_training_reads(config: Any, policy: str | Path, also: Sequence[Reads] = ()) -> None:
+def verify_training_reads(
+    config: RunConfig, policy: str | Path, also: Sequence[Reads] = ()
+) -> None:
     """Refuse a corrupt file among what this rank reads to train from ``policy``, up front.
 
     A collective under a process group: each file once per node
@@ -202,7 +207,7 @@ def verify_training_reads(config: Any, policy: str | Path, also: Sequence[Reads]
     verify_sharded(folders, policy, manifest, also=[*also, Reads(Path(policy), manifest, trainer)])
 
 
-def _ema_folder(config: Any, checkpoint: str | Path) -> Path | None:
+def _ema_folder(config: RunConfig, checkpoint: str | Path) -> Path | None:
     """The checkpoint's EMA folder when ``train.ema_decay`` is set (refused if it has none)."""
     if config.train.ema_decay is None:
         return None
@@ -216,7 +221,7 @@ def _ema_folder(config: Any, checkpoint: str | Path) -> Path | None:
 
 
 def scored_round(
-    config: Any,
+    config: RunConfig,
     batch: RolloutReader | TrajectoryBatch,
     rows: Sequence[Mapping[str, Any]],
     micro_batches: list[list[int]],
@@ -445,7 +450,7 @@ class Trainer:
 
     def __init__(
         self,
-        config: Any,
+        config: RunConfig,
         ctx: distributed.DistContext,
         policy: str | Path,
         previous: ckpt.TrainerState | None,
@@ -807,7 +812,7 @@ def save_round(
 
 
 def train_round(
-    config: Any,
+    config: RunConfig,
     policy: str | Path,
     rollouts: str | Path,
     scores: str | Path,
@@ -849,7 +854,7 @@ def train_round(
     return RoundResult(out, round_index, metrics, routing)
 
 
-def warn_world_size(config: Any, ctx: distributed.DistContext) -> None:
+def warn_world_size(config: RunConfig, ctx: distributed.DistContext) -> None:
     """Say (rank 0) when the job runs on another number of processes than the config says."""
     if ctx.is_main and ctx.world_size != config.train.world_size:
         print(
@@ -860,7 +865,7 @@ def warn_world_size(config: Any, ctx: distributed.DistContext) -> None:
 
 
 def refuse_all_skipped(
-    config: Any, round_index: int, metrics: Sequence[Mapping[str, Any]], scores: str | Path
+    config: RunConfig, round_index: int, metrics: Sequence[Mapping[str, Any]], scores: str | Path
 ) -> None:
     """Refuse a round whose every optimizer step was skipped, unless allowed.
 
