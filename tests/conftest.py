@@ -2,6 +2,7 @@
 
 Tiny models on a shared 2-core machine run fastest on one thread; the suite is also run with
 ``JAGG_TEST_THREADS=2`` to show that no assertion depends on the float rounding of one setting.
+The shared fixtures: those defined here, and the training helpers' (``pytest_plugins``).
 """
 
 import os
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("JAGG_TEST_THREADS", "1")))
+
+# The training tests' fixtures (tiny_sd3, base_rollout) live with their helpers.
+pytest_plugins = ["train_helpers"]
 
 
 def pytest_collection_modifyitems(config, items):

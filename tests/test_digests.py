@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from blake3 import blake3
-from train_helpers import make_config, tiny_sd3_fixture  # noqa: F401 (a fixture)
+from train_helpers import make_config
 
 from jagg_pipeline.config.run import RunConfig
 from jagg_pipeline.io import shards

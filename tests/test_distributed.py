@@ -9,16 +9,14 @@ import subprocess
 import pytest
 import torch
 import train_helpers
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
+from train_helpers import (
     REPO,
-    base_rollout_fixture,
     launcher,
     make_config,
     max_difference,
     policy_weights,
     run_train_command,
     subprocess_env,
-    tiny_sd3_fixture,
     write_config,
 )
 
@@ -32,7 +30,7 @@ def test_fsdp_sums_rank_gradients_and_reduces_once_per_group(tiny_sd3, tmp_path)
     The tiny SD3 has 2 transformer blocks (FSDP units) + the root: 3 parameter groups.
     """
     out = tmp_path / "report.json"
-    command = [*launcher(2), str(REPO / "tests" / "train_helpers.py"), str(tiny_sd3), str(out)]
+    command = [*launcher(2), str(REPO / "tests" / "fsdp_update_worker.py"), str(tiny_sd3), str(out)]
     result = subprocess.run(
         command, env=subprocess_env(), capture_output=True, text=True, timeout=240
     )

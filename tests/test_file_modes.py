@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from train_helpers import make_config, tiny_sd3_fixture  # noqa: F401 (a fixture)
+from train_helpers import make_config
 
 UMASK = 0o022
 

@@ -15,12 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
-    base_rollout_fixture,
+from train_helpers import (
     flip_byte,
     make_config,
     subprocess_env,
-    tiny_sd3_fixture,
     write_config,
 )
 

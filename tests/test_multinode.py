@@ -23,12 +23,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
-    base_rollout_fixture,
+from train_helpers import (
     free_port,
     make_config,
     subprocess_env,
-    tiny_sd3_fixture,
     write_config,
 )
 from workflow_helpers import REDUCED, ROOT, snakemake

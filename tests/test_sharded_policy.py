@@ -29,14 +29,12 @@ from typing import Any
 import pytest
 import torch
 import train_helpers
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
-    base_rollout_fixture,
+from train_helpers import (
     flip_byte,
     launcher,
     make_config,
     run_train_command,
     subprocess_env,
-    tiny_sd3_fixture,
     write_config,
 )
 

@@ -14,16 +14,14 @@ import threading
 import pytest
 import torch
 import train_helpers
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
+from train_helpers import (
     assert_same_checkpoint,
-    base_rollout_fixture,
     launcher,
     make_config,
     max_difference,
     policy_weights,
     scored_rollout,
     subprocess_env,
-    tiny_sd3_fixture,
     write_config,
 )
 

@@ -23,11 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import (  # noqa: F401 (the *_fixture names are fixtures)
-    base_rollout_fixture,
+from train_helpers import (
     make_config,
     subprocess_env,
-    tiny_sd3_fixture,
 )
 from train_helpers import write_config as write_run_config
 from workflow_helpers import (
