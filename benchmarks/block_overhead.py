@@ -366,7 +366,8 @@ def write_plan(preset: Path, rounds_per_job: int | None = None) -> dict[str, Any
     rollout of its kept rounds.
     """
     from jagg_pipeline.config.tools import read_yaml
-    from jagg_pipeline.workflow.experiments import blocks, kept_rounds, split
+    from jagg_pipeline.workflow.runs import blocks, kept_rounds
+    from jagg_pipeline.workflow.sections import split
 
     data, workflow = split(read_yaml(preset))
     config = config_with(data, [])

@@ -633,7 +633,7 @@ def _dtype_name(dtype: Any) -> str:
 def base_config_data(path: Path) -> dict[str, Any]:
     """The base experiment sections of a workflow config file (``config.yaml``)."""
     from jagg_pipeline.config.tools import read_yaml
-    from jagg_pipeline.workflow.experiments import split
+    from jagg_pipeline.workflow.sections import split
 
     return split(read_yaml(path))[0]
 
@@ -845,7 +845,7 @@ TRAINED_STEPS = 16
 
 def keep_plan(config: Any, keep_every: int | None) -> dict[str, Any]:
     """Rounds ``workflow.keep_every`` keeps and the most checkpoints (rollouts) on disk at once."""
-    from jagg_pipeline.workflow.experiments import kept_rounds
+    from jagg_pipeline.workflow.runs import kept_rounds
 
     rounds = config.train.rounds
     kept = kept_rounds(config, keep_every)
@@ -871,7 +871,7 @@ FAMILY_MODELS = {"flux": "Flux.1-dev", "qwenimage": "QwenImage", "sd3": "SD3.5-m
 def preset_rows(folder: Path) -> list[dict[str, Any]]:
     """The project's presets as written: rollout bytes before/now, checkpoint, kept rounds."""
     from jagg_pipeline.config.tools import read_yaml
-    from jagg_pipeline.workflow.experiments import split
+    from jagg_pipeline.workflow.sections import split
 
     rows = []
     for path in sorted(folder.glob("*.yaml")):

@@ -38,8 +38,8 @@ from workflow_helpers import (
     write_config,
 )
 
-from jagg_pipeline.workflow.experiments import blocks as block_ranges
 from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.runs import blocks as block_ranges
 
 ROUNDS = 3
 # Six steps, a segment of four SDE steps trained in one window of 4: JAGG interpolates two

@@ -28,7 +28,8 @@ from jagg_pipeline.config.run import REWARD_NAMES, BackboneConfig, RewardsConfig
 from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES
 from jagg_pipeline.workflow import model_files
 from jagg_pipeline.workflow.checks import NO_MODEL_FILES, REWARD_FILES, check_runs
-from jagg_pipeline.workflow.experiments import merge, resolve_runs, split
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.sections import merge, split
 
 PIPELINES = {"sd3": "StableDiffusion3Pipeline", "qwenimage": "QwenImagePipeline"}
 

@@ -238,7 +238,7 @@ def test_the_backbone_defaults_are_the_default_experiments_toy_sd3():
 
 
 def test_a_renamed_workflow_key_is_refused_naming_the_new_one():
-    from jagg_pipeline.workflow.experiments import split
+    from jagg_pipeline.workflow.sections import split
 
     with pytest.raises(ConfigError, match=r"workflow\.report: .*is now workflow\.comparison"):
         split({"workflow": {"report": ["all"]}})

@@ -21,7 +21,7 @@ from packaging.utils import canonicalize_name
 from test_dependencies import pins
 from workflow_helpers import ROOT
 
-from jagg_pipeline.workflow.experiments import ContainersConfig
+from jagg_pipeline.workflow.sections import ContainersConfig
 
 RULE = re.compile(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", re.MULTILINE)
 DIRECTIVE = r"^    {name}:\n\s+(.+)$"

@@ -29,7 +29,8 @@ from stage_helpers import tiny_checkpoint
 from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, write_config
 
 from jagg_pipeline.config.tools import ConfigError, read_yaml
-from jagg_pipeline.workflow.experiments import merge, resolve_runs
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.sections import merge
 
 # The files a hostile value aims at, relative to a case's folder (the work folder is work/).
 PWNED = "pwned"

@@ -19,7 +19,8 @@ from workflow_helpers import REDUCED, comparable_outputs, snakemake, write_confi
 from jagg_pipeline.config.tools import ConfigError
 from jagg_pipeline.io.tables import read_table
 from jagg_pipeline.stages.scoring import table_path
-from jagg_pipeline.workflow.experiments import merge, resolve_runs
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.sections import merge
 
 # The tiny experiment on a tiny SD3 checkpoint (no toy world to build): 1 round, 2 groups.
 TINY = {
@@ -164,10 +165,10 @@ def test_a_users_config_file_defines_the_experiment_and_its_targets(tmp_path):
 
 
 def test_the_workflows_rules_are_the_reserved_names(tmp_path):
-    """Every rule of the workflow but the targets is in experiments.WORKFLOW_RULES, which
+    """Every rule of the workflow but the targets is read by names.workflow_rules, which
     config check and the workflow refuse as target names: the rules of single rounds and
     those of blocks (workflow.rounds_per_job), which replace rollout, score and train."""
-    from jagg_pipeline.workflow.experiments import WORKFLOW_RULES
+    from jagg_pipeline.workflow.names import workflow_rules
 
     rules = {}
     for rounds_per_job in (1, 2):
@@ -178,7 +179,7 @@ def test_the_workflows_rules_are_the_reserved_names(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         listed = {line.split()[0] for line in done.stdout.splitlines() if line[:1].isalpha()}
         rules[rounds_per_job] = listed - {"all"}
-    assert rules[1] | rules[2] == set(WORKFLOW_RULES)
+    assert rules[1] | rules[2] == set(workflow_rules())
     single = {"rollout", "rollout_transient", "score", "train", "train_transient"}
     assert rules[1] - rules[2] == single and rules[2] - rules[1] == {"block", "block_transient"}
 

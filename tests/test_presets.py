@@ -26,7 +26,8 @@ from jagg_pipeline.config import run as config_module
 from jagg_pipeline.config.tools import read_yaml, to_dict
 from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE
 from jagg_pipeline.workflow.checks import check_runs
-from jagg_pipeline.workflow.experiments import resolve_runs, split
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.sections import split
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 

@@ -25,7 +25,8 @@ from stage_helpers import EVAL_PROMPTS, experiment, tiny_checkpoint, write_promp
 from workflow_helpers import snakemake, write_config
 
 from jagg_pipeline.config.run import from_mapping
-from jagg_pipeline.workflow.experiments import kept_rounds, resolve_runs
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.runs import kept_rounds
 
 ROUNDS, KEEP_EVERY, EVAL_EVERY = 12, 4, 6
 # (r + 1) % 4 == 0: rounds 3, 7, 11; evaluated after 6 and 12 rounds: the checkpoints of

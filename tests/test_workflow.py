@@ -24,7 +24,8 @@ from train_helpers import assert_same_checkpoint
 from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, job_counts, snakemake, write_config
 
 from jagg_pipeline.io.manifest import stage_digest
-from jagg_pipeline.workflow.experiments import resolve_runs, workflow_schema
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.sections import workflow_schema
 
 TARGETS = (
     "all",
@@ -186,7 +187,8 @@ def _conditioning_of(command: str) -> str | None:
 def test_a_pool_is_named_by_its_prompts_and_the_text_keys_only():
     from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import ConfigError
-    from jagg_pipeline.workflow.experiments import check_target_name, pool_key
+    from jagg_pipeline.workflow.names import check_target_name
+    from jagg_pipeline.workflow.pools import pool_key
 
     config = RunConfig()
     key = pool_key(config, "toy:train", None)

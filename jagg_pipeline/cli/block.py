@@ -1,7 +1,7 @@
 """``block``: consecutive GRPO rounds of one run in one job, the models resident.
 
-Where a block writes is the run folder's layout, the one the single-round jobs of the
-workflow write (``workflow/rules/common.smk``): ``RUN/round-<r>/{scores,rollout,checkpoint}``,
+Where a block writes is the run folder's layout (:mod:`jagg_pipeline.workflow.layout`), the
+one the single-round jobs of the workflow write: ``RUN/round-<r>/{scores,rollout,checkpoint}``,
 ``RUN/round-<r>/metrics/<stage>.jsonl`` and ``RUN/eval/trained-<n>``; the block's last
 checkpoint goes where ``--checkpoint`` says (the workflow's transient folder when the round
 keeps none).
@@ -113,8 +113,8 @@ def block_outputs(
     record: Path,
 ) -> BlockOutputs:
     """The paths of a block's outputs in its run folder (see the module docstring)."""
-    from jagg_pipeline.io.artifacts import evaluation_name, round_name
     from jagg_pipeline.stages.block import BlockOutputs, RoundOutputs
+    from jagg_pipeline.workflow import layout
 
     if not 0 <= first <= last:
         raise SystemExit(f"error: --rounds {first} {last}: need 0 <= FIRST <= LAST")
@@ -123,21 +123,25 @@ def block_outputs(
         raise SystemExit(
             f"error: --evaluate {outside}: a block evaluates after {first}..{last + 1} rounds"
         )
+    run = str(run_dir)
     rounds = {}
     for round_index in range(first, last + 1):
-        folder = run_dir / round_name(round_index)
+        folder = Path(layout.round_folder(run, round_index))
         kept = round_index in keep
-        written = folder / "checkpoint" if kept else None
+        kept_checkpoint = Path(layout.stage_folder(run, round_index, "checkpoint", kept=True))
+        written = kept_checkpoint if kept else None
         if round_index == last:
             written = checkpoint
         rounds[round_index] = RoundOutputs(
             folder=folder,
-            scores=folder / "scores",
-            rollout=folder / "rollout" if kept else None,
+            scores=Path(layout.scores_folder(run, round_index)),
+            rollout=Path(layout.stage_folder(run, round_index, "rollout", kept=True))
+            if kept
+            else None,
             checkpoint=written,
-            policy_name=str(written or folder / "checkpoint (in memory)"),
+            policy_name=str(written or f"{kept_checkpoint} (in memory)"),
         )
-    evaluations = {n: run_dir / "eval" / evaluation_name(n) for n in sorted(evaluate)}
+    evaluations = {n: Path(layout.evaluation_folder(run, n)) for n in sorted(evaluate)}
     return BlockOutputs(rounds, evaluations, record)
 
 

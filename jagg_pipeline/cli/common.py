@@ -117,7 +117,8 @@ def read_run_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     """
     from jagg_pipeline.config.run import RunConfig
     from jagg_pipeline.config.tools import ConfigError, load_data, read_yaml
-    from jagg_pipeline.workflow.experiments import WORKFLOW_KEY, split
+    from jagg_pipeline.workflow.names import WORKFLOW_KEY
+    from jagg_pipeline.workflow.sections import split
 
     data = read_yaml(path) or {}
     if not isinstance(data, dict):

@@ -87,7 +87,7 @@ def _render(args: argparse.Namespace) -> str:
     from jagg_pipeline.cli.common import read_run_config
     from jagg_pipeline.config.run import RunConfig, from_mapping, schema
     from jagg_pipeline.config.tools import apply_overrides, commented_yaml, to_dict
-    from jagg_pipeline.workflow.experiments import workflow_schema
+    from jagg_pipeline.workflow.sections import workflow_schema
 
     if args.what == "schema":
         return json.dumps(workflow_schema() if args.workflow else schema(), indent=2) + "\n"
@@ -128,12 +128,9 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
         schema_errors,
     )
     from jagg_pipeline.workflow.checks import check_runs
-    from jagg_pipeline.workflow.experiments import (
-        WORKFLOW_KEY,
-        resolve_runs,
-        split,
-        workflow_schema,
-    )
+    from jagg_pipeline.workflow.experiments import resolve_runs
+    from jagg_pipeline.workflow.names import WORKFLOW_KEY
+    from jagg_pipeline.workflow.sections import split, workflow_schema
 
     source = f"{path} (with --set {' '.join(overrides)})" if overrides else str(path)
     errors = duplicate_keys(path)
@@ -290,7 +287,7 @@ def _target_errors(
     import copy
 
     from jagg_pipeline.config.tools import ConfigError
-    from jagg_pipeline.workflow.experiments import WORKFLOW_KEY
+    from jagg_pipeline.workflow.names import WORKFLOW_KEY
 
     def first_error(trimmed: object) -> str | None:
         # The rest of the workflow section does not change a run (its errors are the schema's).

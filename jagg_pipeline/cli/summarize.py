@@ -35,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from jagg_pipeline.reports.summary import write_summary
+    from jagg_pipeline.workflow.layout import variant_seed
 
     runs = {
-        f"{variant}/seed-{seed}": (directory, variant, seed)
+        variant_seed(variant, seed): (directory, variant, seed)
         for variant, seed, directory in parse_runs(args)
     }
     with stage_errors():

@@ -1,6 +1,6 @@
 """An experiment's comparison: every run's stage metrics in one table, the curves, the verdict.
 
-Reads only finished outputs of the run layout (:mod:`jagg_pipeline.workflow.experiments`): each
+Reads only finished outputs of the run layout (:mod:`jagg_pipeline.workflow.layout`): each
 round's
 kept metric lines ``round-<r>/metrics/{rollout,score,train}.jsonl`` (:func:`read_run`; training
 reward of the round's rollout, one line per optimizer step) and
@@ -55,6 +55,7 @@ from jagg_pipeline.io.figures import (
 from jagg_pipeline.io.tables import format_number, markdown_table
 from jagg_pipeline.support.errors import InputError
 from jagg_pipeline.support.startup import PARTS
+from jagg_pipeline.workflow.layout import SEED_PREFIX
 
 UPDATE_PARTS = ("forward", "backward", "optimizer")
 # The stages that run as jobs, in pipeline order: the rows of the start-up table.
@@ -426,7 +427,7 @@ def write_summary(
     grids = make_folder(out / "grids")
     for run in read.values():
         for trained in sorted(run.grids)[:1] + sorted(run.grids)[-1:]:
-            name = f"{run.variant}_seed-{run.seed}_{evaluation_name(trained)}.png"
+            name = f"{run.variant}_{SEED_PREFIX}{run.seed}_{evaluation_name(trained)}.png"
             with atomic_output(grids / name) as tmp:
                 shutil.copyfile(run.grids[trained], tmp)
     summary = summarise(list(read.values()))

@@ -49,6 +49,7 @@ from jagg_pipeline.reports.tracker import (
     TrackingError,
     tracking_uri,
 )
+from jagg_pipeline.workflow.layout import run_id, variant_seed
 
 # Train keys summed over a round's optimizer steps (the rest are averaged).
 SUMMED = re.compile(
@@ -150,7 +151,7 @@ def _run_config(directory: str | Path) -> dict[str, Any]:
 
 
 def _key(config: Mapping[str, Any], experiment: str, variant: str, seed: int) -> str:
-    return f"{experiment}/{variant}/seed-{seed}@{digest(config)[:12]}"
+    return f"{run_id(experiment, variant, seed)}@{digest(config)[:12]}"
 
 
 def run_key(directory: str | Path, experiment: str, variant: str, seed: int) -> str:
@@ -191,7 +192,7 @@ def run_record(
     return RunRecord(
         key=key,
         experiment=experiment,
-        name=f"{variant}/seed-{seed}",
+        name=variant_seed(variant, seed),
         params=flat_params(config),
         tags=tags,
         metrics=metric_points(metrics),

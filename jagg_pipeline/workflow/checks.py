@@ -38,13 +38,16 @@ from jagg_pipeline.io.artifacts import ROUND_FOLDER
 from jagg_pipeline.io.prompts import PromptFileError, check_prompts, prompt_place
 from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES, parse_caption
 from jagg_pipeline.support.errors import shown
-from jagg_pipeline.workflow.experiments import WORKFLOW_KEY, Run, WorkflowConfig, toyworld_inputs
+from jagg_pipeline.workflow.layout import toyworld_inputs
 from jagg_pipeline.workflow.model_files import (
     hf_model_problem,
     hf_processor_problem,
     json_problem,
     torch_checkpoint_problem,
 )
+from jagg_pipeline.workflow.names import WORKFLOW_KEY
+from jagg_pipeline.workflow.runs import Run
+from jagg_pipeline.workflow.sections import WorkflowConfig
 
 # A line of a check: (the function, its arguments), hashable so that shared inputs run once.
 Check = tuple[Callable[..., str | None], tuple]

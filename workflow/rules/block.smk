@@ -39,6 +39,7 @@ rule block:
         policy=block_policy,
         device=backbone_device,
         python=PYTHON,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=block_digest,
         rounds=block_rounds,
         keep=block_kept,

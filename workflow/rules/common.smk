@@ -1,25 +1,15 @@
-# Named helpers of the rules: the resolved runs, their paths, inputs and params.
+# Named helpers of the rules: thin adapters from a job's wildcards to the package's workflow
+# functions (jagg_pipeline.workflow: runs, layout, retention, resources, pools), which hold the
+# logic and are unit-tested without Snakemake.
 #
-# Every job parses this file again, so it imports only the torch-free part of the package
-# (jagg_pipeline.workflow.experiments, jagg_pipeline.config.run, the toy world's settings).
-import functools
+# Every job parses this file again, so it imports only the torch-free part of the package.
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.io.artifacts import (
-    EVALUATION_PREFIX,
-    ROUND_PREFIX,
-    ROUND_RECORDS,
-    ROUND_STAGES,
-    atomic_write_text,
-    evaluation_name,
-    round_name,
-)
 from jagg_pipeline.config.tools import (
     ConfigError,
     apply_overrides,
@@ -27,22 +17,26 @@ from jagg_pipeline.config.tools import (
     read_yaml,
     to_dict,
 )
-from jagg_pipeline.workflow.checks import check_runs
-from jagg_pipeline.workflow.experiments import (
-    dag_recursion_limit,
-    merge,
-    resolve_runs,
-    split,
-    toyworld_inputs,
+from jagg_pipeline.io.artifacts import (
+    EVALUATION_PREFIX,
+    ROUND_STAGES,
+    atomic_write_text,
 )
-from jagg_pipeline.io.manifest import MANIFEST_NAME, stage_digest, stage_values
+from jagg_pipeline.io.manifest import stage_digest
 from jagg_pipeline.toyworld.config import TOY_FAMILIES
+from jagg_pipeline.workflow import layout, resources
+from jagg_pipeline.workflow.checks import check_runs
+from jagg_pipeline.workflow.experiments import resolve_runs
+from jagg_pipeline.workflow.pools import shared_pools
+from jagg_pipeline.workflow.retention import Retention
+from jagg_pipeline.workflow.runs import dag_recursion_limit
+from jagg_pipeline.workflow.sections import merge, split
 
 
 def _own_config():
     """The config the workflow runs: the user's --configfile(s) INSTEAD of config.yaml when
     given (keys they leave out take the package's defaults), then --config values; layered
-    by experiments.merge, so a file's rewards.weights, variants or eval metrics are the ones
+    by sections.merge, so a file's rewards.weights, variants or eval metrics are the ones
     that run, never merged into config.yaml's. Snakemake would deep-merge them.
 
     Read with the strict YAML reader, which names a repeated key (Snakemake's lets it win)
@@ -58,6 +52,8 @@ def _own_config():
     return data
 
 
+# Snakemake's own --configfile/--config handling deep-merges the user's file into config.yaml
+# (a file's reward weights would join config.yaml's); the config is replaced by our layering.
 config.clear()
 config.update(_own_config())
 RUNS = resolve_runs(config)
@@ -78,11 +74,23 @@ BENCHMARKS = f"{RESULTS}/benchmarks"
 # environment); with conda or apptainer, the environment's own python does.
 PYTHON = "python" if workflow.deployment_settings.deployment_method else sys.executable
 CONTAINERS = WORKFLOW.containers
-RUN = f"{RESULTS}/{{experiment}}/{{variant}}/seed-{{seed}}"
-JOB = "{experiment}/{variant}/seed-{seed}"
-# A round's folder under a run, and its logs' and benchmarks' folder under a job.
-RUN_ROUND = f"{RUN}/{ROUND_PREFIX}{{round}}"
-JOB_ROUND = f"{JOB}/{ROUND_PREFIX}{{round}}"
+# The run layout's patterns (jagg_pipeline.workflow.layout): a run's folder, and the same
+# below the logs' and benchmarks' folders; a round's and an evaluation's under each.
+JOB = layout.run_id("{experiment}", "{variant}", "{seed}")
+RUN = layout.run_directory(RESULTS, "{experiment}", "{variant}", "{seed}")
+RUN_ROUND = layout.round_pattern(RUN)
+JOB_ROUND = layout.round_pattern(JOB)
+RUN_EVAL = f"{RUN}/{layout.EVALUATIONS}/{EVALUATION_PREFIX}{{trained}}"
+JOB_EVAL = f"{JOB}/{layout.EVALUATIONS}/{EVALUATION_PREFIX}{{trained}}"
+SUMMARY = layout.experiment_folder(RESULTS, "{experiment}", layout.SUMMARY)
+TRACKED = (
+    f"{layout.experiment_folder(RESULTS, '{experiment}', layout.TRACKING)}/tracked.json"
+)
+COMPARISON = layout.comparison_folder(RESULTS, "{experiment}")
+POOL = layout.conditioning_folder(RESULTS, "{pool}")
+TRANSIENT = layout.TRANSIENT
+BLOCK_RECORD = layout.BLOCK_RECORD
+BLOCK_TRANSIENT_RECORD = layout.BLOCK_TRANSIENT_RECORD
 # On a cluster a round's rollout and score share one allocation. Train stays out: it feeds the
 # next round's rollout, and Snakemake merges connected jobs of a group, so every round of a run
 # would become one job.
@@ -93,6 +101,7 @@ def _alternatives(values):
     return "|".join(re.escape(str(v)) for v in sorted(set(values))) or "^$"
 
 
+# Closed wildcard sets: a path matches a rule only for the runs and pools of this config.
 wildcard_constraints:
     experiment=_alternatives(run.experiment for run in RUNS.values()),
     variant=_alternatives(run.variant for run in RUNS.values()),
@@ -135,7 +144,7 @@ def parent_folder(wildcards, output):
 
 def run_of(wildcards):
     """The run a job belongs to."""
-    return RUNS[f"{wildcards.experiment}/{wildcards.variant}/seed-{wildcards.seed}"]
+    return RUNS[layout.run_id(wildcards.experiment, wildcards.variant, wildcards.seed)]
 
 
 def run_config_file(wildcards):
@@ -162,75 +171,18 @@ evaluate_digest = _digest_param("evaluate")
 
 def _toyworld_inputs(config):
     """The toy-world builds a run's config points at (none for real checkpoints)."""
-    return toyworld_inputs(config, TOYWORLD)
+    return layout.toyworld_inputs(config, TOYWORLD)
 
 
-# Retention (workflow.keep_every). A kept round's checkpoint and rollout live in round-<r>/
-# and stay; the other rounds' live in round-<r>/transient/, outputs of the rules
-# train_transient and rollout_transient (temp(): Snakemake deletes them once no job needs
-# them). Two rules, because which rounds are kept depends on the run (its train.rounds and
-# eval.every), and a wildcard constraint cannot depend on another wildcard. Every round keeps
-# its metric lines in round-<r>/metrics/<stage>.jsonl (round_record), which summary and track
-# read.
-TRANSIENT = "transient"
-# Checkpoints that evaluation runs name (workflow.evaluations.*.policies.*.checkpoint) are
-# kept too, whatever their round.
-EVALUATED_CHECKPOINTS = {
-    os.path.normpath(run.policy)
-    for run in RUNS.values()
-    if run.policy is not None and run.policy != "base"
-}
+# Retention (workflow.keep_every; jagg_pipeline.workflow.retention): a kept round's
+# checkpoint and rollout are outputs of the rules train and rollout, the other rounds' of
+# train_transient and rollout_transient (temp(): deleted once no job needs them).
+RETENTION = Retention.of(RUNS.values())
 
 
 def round_record(stage):
     """The pattern of a round's kept metric lines of ``stage`` (rollout, score, train)."""
-    return f"{RUN_ROUND}/{ROUND_RECORDS}/{stage}.jsonl"
-
-
-def round_folder(run, round_index):
-    """``round-<r>/`` of ``run``."""
-    return f"{run.directory}/{round_name(round_index)}"
-
-
-def kept_round(run, round_index):
-    """Whether round ``round_index`` of ``run`` keeps its checkpoint and rollout: a kept
-    round of the run (workflow.keep_every), one an evaluation names, or one that a shorter
-    run kept (its last round), so that a longer run continues from it instead of retraining
-    the rounds up to it."""
-    if round_index in run.kept_rounds:
-        return True
-    named = os.path.normpath(f"{round_folder(run, round_index)}/checkpoint")
-    return named in EVALUATED_CHECKPOINTS or _finished_checkpoint(named)
-
-
-@functools.cache
-def _finished_checkpoint(folder):
-    # Asked once per invocation: the DAG is planned from what was there when it started.
-    return Path(folder, MANIFEST_NAME).is_file()
-
-
-def _stage_folder(run, round_index, stage):
-    folder = round_folder(run, round_index)
-    if kept_round(run, round_index):
-        return f"{folder}/{stage}"
-    return f"{folder}/{TRANSIENT}/{stage}"
-
-
-def checkpoint_dir(run, round_index):
-    """The checkpoint written by training round ``round_index`` of ``run`` (round-<r>/
-    checkpoint when the round is kept, else round-<r>/transient/checkpoint)."""
-    return _stage_folder(run, round_index, "checkpoint")
-
-
-def rollout_dir(run, round_index):
-    """The rollout sampled in round ``round_index`` of ``run`` (kept or transient, as its
-    checkpoint)."""
-    return _stage_folder(run, round_index, "rollout")
-
-
-def _policy(run, trained):
-    """``base`` before any training, else the checkpoint after ``trained`` rounds."""
-    return "base" if trained == 0 else checkpoint_dir(run, trained - 1)
+    return layout.round_record(RUN_ROUND, stage)
 
 
 def rollout_inputs(wildcards):
@@ -238,18 +190,18 @@ def rollout_inputs(wildcards):
     run = run_of(wildcards)
     inputs = _toyworld_inputs(run.config)
     if int(wildcards.round) > 0:
-        inputs["policy"] = _policy(run, int(wildcards.round))
+        inputs["policy"] = RETENTION.policy(run, int(wildcards.round))
     return inputs
 
 
 def rollout_policy(wildcards):
     """The --policy argument of a round's rollout and training."""
-    return _policy(run_of(wildcards), int(wildcards.round))
+    return RETENTION.policy(run_of(wildcards), int(wildcards.round))
 
 
 def score_inputs(wildcards):
     """The round's rollout (kept or transient)."""
-    return {"rollouts": rollout_dir(run_of(wildcards), int(wildcards.round))}
+    return {"rollouts": RETENTION.rollout_dir(run_of(wildcards), int(wildcards.round))}
 
 
 def train_inputs(wildcards):
@@ -257,8 +209,8 @@ def train_inputs(wildcards):
     run, round_index = run_of(wildcards), int(wildcards.round)
     inputs = rollout_inputs(wildcards)
     inputs.update(
-        rollouts=rollout_dir(run, round_index),
-        scores=f"{round_folder(run, round_index)}/scores",
+        rollouts=RETENTION.rollout_dir(run, round_index),
+        scores=layout.scores_folder(run.directory, round_index),
     )
     return inputs
 
@@ -280,54 +232,18 @@ def evaluate_policy(wildcards):
     run = run_of(wildcards)
     if run.policy is not None:
         return run.policy
-    return _policy(run, int(wildcards.trained))
+    return RETENTION.policy(run, int(wildcards.trained))
 
 
-# Devices and GPUs. Every model-running rule passes its device on the command line (so a dry
-# run shows it) and asks for a GPU exactly when that device is CUDA.
-GPU_ENV = "JAGG_GPUS"
-
-
-def _machine_gpus():
-    """This machine's usable GPUs and where the count came from: $JAGG_GPUS, else the
-    CUDA_VISIBLE_DEVICES list (CUDA stops at its first negative entry), else `nvidia-smi -L`.
-    """
-    if GPU_ENV in os.environ:
-        value = os.environ[GPU_ENV].strip()
-        if not value.isdigit():
-            raise ValueError(
-                f"{GPU_ENV}={value!r}: give the number of GPUs this machine may use, "
-                f"e.g. {GPU_ENV}=1"
-            )
-        return int(value), GPU_ENV
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = 0
-        for entry in visible.split(","):
-            if not entry.strip() or entry.strip().startswith("-"):
-                break
-            count += 1
-        return count, "CUDA_VISIBLE_DEVICES"
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0, "no nvidia-smi"
-    if listing.returncode != 0:
-        return 0, "nvidia-smi -L failed"
-    return (
-        sum(line.startswith("GPU ") for line in listing.stdout.splitlines()),
-        "nvidia-smi -L",
-    )
-
-
+# Devices and GPUs (jagg_pipeline.workflow.resources). Every model-running rule passes its
+# device on the command line (so a dry run shows it) and asks for a GPU exactly when that
+# device is CUDA.
 def _gpu_limit():
     """The GPUs that jobs share when Snakemake schedules them on this machine, else None.
 
     Snakemake quietly caps a job's request at the global `gpu` resource (gpu: 0 would start
     a GPU job with none), so the workflow sets that resource to the machine's count itself
-    and refuses bigger requests (:func:`_gpus`). `--resources gpu=N` wins. With
+    and refuses bigger requests (resources.checked_gpus). `--resources gpu=N` wins. With
     --jobs (a cluster executor such as the slurm profile) each job's GPUs come from the cluster
     scheduler; inside a job's own process they were granted already.
     """
@@ -338,7 +254,7 @@ def _gpu_limit():
         return given, "--resources gpu"
     if workflow.nodes is not None:
         return None
-    count, source = _machine_gpus()
+    count, source = resources.machine_gpus(os.environ)
     workflow.register_resource("gpu", count)
     return count, source
 
@@ -346,20 +262,11 @@ def _gpu_limit():
 GPU_LIMIT = _gpu_limit()
 
 
-def _on_cuda(device):
-    return device.split(":")[0] == "cuda"
-
-
-def _gpus(job, count, why):
-    """``count`` GPUs for ``job``, refused when the local machine has fewer."""
-    if GPU_LIMIT is not None and count > GPU_LIMIT[0]:
-        limit, source = GPU_LIMIT
-        raise ValueError(
-            f"{job} needs {count} GPU(s) ({why}) but this machine offers {limit} ({source}); "
-            f"if it has more, set {GPU_ENV}=N (or --resources gpu=N), else use a cpu device, "
-            "fewer train.nproc, or a cluster (--profile workflow/profiles/slurm)"
-        )
-    return count
+def _gpus(job, request):
+    """A request (count, why) of ``job`` checked against this machine's GPUs."""
+    if request is None:
+        return None
+    return resources.checked_gpus(job, *request, GPU_LIMIT)
 
 
 def backbone_device(wildcards):
@@ -375,29 +282,21 @@ def reward_device(wildcards):
 
 def score_gpus(wildcards):
     """One GPU when the reward models run on CUDA (the score job is one process)."""
-    device = reward_device(wildcards)
-    why = f"reward models (rewards.device, else backbone.device) on {device}"
-    return _gpus(run_of(wildcards).run_id, int(_on_cuda(device)), why)
+    run = run_of(wildcards)
+    return _gpus(run.run_id, resources.score_gpus(run.config))
 
 
 def ranks_gpus(wildcards):
-    """One GPU per process of the training ranks (train.nproc) when the policy runs on CUDA:
-    train, rollout and evaluate run the sharded policy on every rank. None for a multi-node
-    job, whose GPUs per node are its ``gres`` (:func:`ranks_slurm`)."""
-    config = run_of(wildcards).config
-    if config.train.nodes > 1:
-        return None
-    count = config.train.nproc if _on_cuda(config.backbone.device) else 0
-    why = f"backbone.device {config.backbone.device}, train.nproc {config.train.nproc}"
-    return _gpus(run_of(wildcards).run_id, count, why)
+    """One GPU per process of the training ranks (train.nproc) when the policy runs on CUDA;
+    None for a multi-node job, whose GPUs per node are its ``gres`` (ranks_slurm)."""
+    run = run_of(wildcards)
+    return _gpus(run.run_id, resources.ranks_gpus(run.config))
 
 
 def evaluate_gpus(wildcards):
     """The ranks' GPUs; one when only the reward models (rank 0 scores) run on CUDA."""
-    count = ranks_gpus(wildcards)
-    if count == 0 and _on_cuda(reward_device(wildcards)):
-        return score_gpus(wildcards)
-    return count
+    run = run_of(wildcards)
+    return _gpus(run.run_id, resources.evaluate_gpus(run.config))
 
 
 def ranks_threads(wildcards):
@@ -415,44 +314,14 @@ IN_APPTAINER = any(
 )
 
 
-def ranks_slurm(run):
-    """The SLURM resources of a job over the training ranks: train, rollout, evaluate
-    (snakemake-executor-plugin-slurm's names; None leaves a resource out).
-
-    One node: ``nodes`` 1 and nothing else (GPUs: :func:`ranks_gpus`). Several: ``nodes`` N,
-    ``tasks`` N (sbatch --ntasks, one torchrun agent per node), ``mpi`` (the plugin's job step
-    then runs the command as it is, without wrapping it in `srun -n1`: the command's own srun
-    starts the agents), ``gres`` gpu:<train.nproc> per node when the policy runs on CUDA, and
-    ``tasks_per_gpu`` 0, which keeps the plugin from deriving --ntasks-per-gpu from ``tasks``.
-    """
-    train = run.config.train
-    if train.nodes == 1:
-        return dict(nodes=1, tasks=None, mpi=None, gres=None, tasks_per_gpu=None)
-    if RUNS_HERE:
-        raise ValueError(
-            f"{run.run_id}: train.nodes {train.nodes} needs a SLURM cluster (srun starts a "
-            "torchrun agent on each node); run with --profile workflow/profiles/slurm, or "
-            "set train.nodes: 1"
-        )
-    if IN_APPTAINER:
-        raise ValueError(
-            f"{run.run_id}: train.nodes {train.nodes} starts its agents with srun on the "
-            "host, which the apptainer image lacks; run it without --sdm apptainer (the venv "
-            "or --sdm conda), or set train.nodes: 1"
-        )
-    cuda = _on_cuda(run.config.backbone.device)
-    return dict(
-        nodes=train.nodes,
-        tasks=train.nodes,
-        mpi="srun",
-        gres=f"gpu:{train.nproc}" if cuda else None,
-        tasks_per_gpu=0 if cuda else None,
-    )
-
-
 def _ranks_resource(name):
+    # One input function per SLURM resource: a rule's resources take one function each.
     def resource(wildcards):
-        return ranks_slurm(run_of(wildcards))[name]
+        run = run_of(wildcards)
+        slurm = resources.ranks_slurm(
+            run.run_id, run.config, runs_here=RUNS_HERE, in_apptainer=IN_APPTAINER
+        )
+        return slurm[name]
 
     resource.__name__ = f"ranks_{name}"
     return resource
@@ -470,67 +339,6 @@ def task_cpus(wildcards, threads):
     return threads
 
 
-def run_files(run):
-    """What a finished run keeps, each by the path that only one of the rules makes.
-
-    That is every evaluation, every round's scores and metric lines, and the checkpoint and
-    rollout of each kept round (workflow.keep_every). The summary reads them, and the
-    targets ask for them too: Snakemake remakes a deleted file only for a job that asks for
-    it (tested: a round's scores and an evaluation deleted after a finished run are rebuilt
-    by the next run of the target).
-    """
-    if run.blocks:
-        # Blocks of rounds: each block's record stands for what the block wrote, and its
-        # last checkpoint when kept (a lost one is made again; the others: lost_blocks).
-        files = [block_record(run, block) for block in run.blocks]
-        return files + [
-            checkpoint_dir(run, block[-1])
-            for block in run.blocks
-            if kept_round(run, block[-1])
-        ]
-    files = [f"{run.directory}/eval/{evaluation_name(n)}" for n in run.evaluated_rounds]
-    if run.policy is not None:
-        return files
-    for round_index in range(run.config.train.rounds):
-        records = f"{round_folder(run, round_index)}/{ROUND_RECORDS}"
-        files += [f"{round_folder(run, round_index)}/scores", f"{records}/score.jsonl"]
-        if kept_round(run, round_index):
-            # The rules rollout and train write these records (ruleorder in summary.smk:
-            # their transient twins could write them too).
-            files += [rollout_dir(run, round_index), checkpoint_dir(run, round_index)]
-            files += [f"{records}/rollout.jsonl", f"{records}/train.jsonl"]
-    return files
-
-
-def force_lost_records(run):
-    """Rerun the jobs of a finished run (its last round trained) whose transient rounds lost
-    their rollout or train metric lines (deleted by hand, or lost with a disk): the job that
-    writes a transient stage folder writes its lines too, so that folder is forced
-    (Snakemake's forcerun, as :func:`force_lost_blocks`). Its consumers rerun after it, and
-    Snakemake deletes the folder once they are done. (The lines alone could come from either
-    rule of a pair; a run still going writes them itself.)
-    """
-    dag = workflow.dag
-    rounds = 0 if run.policy is not None or run.blocks else run.config.train.rounds
-    if dag is None or not workflow.is_main_process or not rounds:
-        return
-
-    def records(round_index):
-        return Path(round_folder(run, round_index), ROUND_RECORDS)
-
-    if not (records(rounds - 1) / "train.jsonl").is_file():
-        return
-    for round_index in range(rounds):
-        if kept_round(run, round_index):
-            continue
-        # Forced, not asked for by the target: Snakemake never deletes a temp() output that
-        # a target rule asks for, so the rebuilt folder would stay on disk for good.
-        if not (records(round_index) / "rollout.jsonl").is_file():
-            dag.forcefiles.add(rollout_dir(run, round_index))
-        if not (records(round_index) / "train.jsonl").is_file():
-            dag.forcefiles.add(checkpoint_dir(run, round_index))
-
-
 def _runs(experiment):
     runs = [run for run in RUNS.values() if run.experiment == experiment]
     if not runs:
@@ -544,20 +352,24 @@ def _runs(experiment):
 
 def target_files(experiment):
     """What a target that includes ``experiment`` asks for: its comparison page, the push to
-    MLflow the page is read back from, and every file its runs keep (:func:`run_files`;
-    lost lines and blocks are forced, :func:`force_lost_records`, :func:`force_lost_blocks`),
-    so that a finished target notices a deleted one. Asking for
-    tracked.json retries a failed push: it is gone after one (Snakemake removes a failed
-    job's outputs), and Snakemake remakes a missing intermediate only when asked for it.
+    MLflow the page is read back from, and every file its runs keep (Retention.run_files;
+    lost lines and blocks are forced, Retention.lost_records and lost_blocks), so that a
+    finished target notices a deleted one. Asking for tracked.json retries a failed push: it
+    is gone after one (Snakemake removes a failed job's outputs), and Snakemake remakes a
+    missing intermediate only when asked for it.
     """
+    wildcards = {"experiment": experiment}
     files = [
-        f"{RESULTS}/{experiment}/tracking/tracked.json",
-        f"{RESULTS}/comparison/{experiment}/index.html",
+        TRACKED.format(**wildcards),
+        f"{COMPARISON.format(**wildcards)}/index.html",
     ]
     for run in _runs(experiment):
-        files += run_files(run)
-        force_lost_records(run)
-        force_lost_blocks(run)
+        files += RETENTION.run_files(run)
+        if workflow.dag is not None and workflow.is_main_process:
+            # Snakemake's forcerun, added to the DAG being built: what a finished run lost
+            # that no target can ask for by name.
+            workflow.dag.forcefiles.update(RETENTION.lost_records(run))
+            workflow.dag.forcefiles.update(RETENTION.lost_blocks(run))
     return files
 
 
@@ -572,8 +384,10 @@ def experiment_target(experiment):
 
 
 def summary_inputs(wildcards):
-    """Every file the summary reads: what the experiment's runs keep (:func:`run_files`)."""
-    return [path for run in _runs(wildcards.experiment) for path in run_files(run)]
+    """Every file the summary reads: what the experiment's runs keep (Retention.run_files)."""
+    return [
+        path for run in _runs(wildcards.experiment) for path in RETENTION.run_files(run)
+    ]
 
 
 def summary_arguments(wildcards):
@@ -588,7 +402,7 @@ def summary_arguments(wildcards):
 
 def summary_folder(wildcards):
     """Where an experiment's summary goes."""
-    return f"{RESULTS}/{wildcards.experiment}/summary"
+    return SUMMARY.format(experiment=wildcards.experiment)
 
 
 def tracking_digest(wildcards):
@@ -610,55 +424,12 @@ def bench_device():
 def bench_gpus(wildcards):
     """One GPU for a CUDA benchmark."""
     device = bench_device()
-    return _gpus("bench", int(_on_cuda(device)), f"backbone.device {device}")
+    return _gpus("bench", (int(resources.on_cuda(device)), f"backbone.device {device}"))
 
 
-# Prompt pools encoded once (workflow.encode_prompts): the encode rule writes each pool's
-# conditioning to <results>/conditioning/<pool>/, and the rollout and evaluate jobs read it
-# (--conditioning) instead of loading the text encoders. A pool is a prompt source and column
-# under the backbone keys the text encoders read (experiments.pool_key): every run and round
-# that agree on those share one encode job.
-import json as _json
-from dataclasses import dataclass as _dataclass
-
-from jagg_pipeline.workflow.experiments import pool_key
-
-CONDITIONING = f"{RESULTS}/conditioning"
-
-
-@_dataclass(frozen=True)
-class Pool:
-    """A prompt pool to encode: its source, its column and a run config that reads it
-    (every run sharing the pool agrees on what the encode stage reads of it)."""
-
-    source: str
-    column: str | None
-    config: object
-
-
-def _run_pools(run):
-    """Stage -> pool of a run: its rollout's sampler.prompts (a training run) and its
-    evaluation's eval.prompts."""
-    config = run.config
-    sources = {"evaluate": (config.eval.prompts, config.eval.column)}
-    if run.policy is None:
-        sources["rollout"] = (config.sampler.prompts, config.sampler.prompt_column)
-    return {
-        stage: Pool(source, column, config)
-        for stage, (source, column) in sources.items()
-    }
-
-
-# run id -> stage -> pool key, and pool key -> the pool (its first run's config).
-RUN_POOLS = {}
-POOLS = {}
-if WORKFLOW.encode_prompts:
-    for _run in RUNS.values():
-        RUN_POOLS[_run.run_id] = {}
-        for _stage, _pool in _run_pools(_run).items():
-            _key = pool_key(_pool.config, _pool.source, _pool.column)
-            RUN_POOLS[_run.run_id][_stage] = _key
-            POOLS.setdefault(_key, _pool)
+# Prompt pools encoded once (workflow.encode_prompts; jagg_pipeline.workflow.pools): run id
+# -> stage -> pool key, and pool key -> the pool.
+RUN_POOLS, POOLS = shared_pools(RUNS.values()) if WORKFLOW.encode_prompts else ({}, {})
 
 
 def _conditioning(stage, arguments):
@@ -666,7 +437,7 @@ def _conditioning(stage, arguments):
         key = RUN_POOLS.get(run_of(wildcards).run_id, {}).get(stage)
         if key is None:
             return []
-        folder = f"{CONDITIONING}/{key}"
+        folder = layout.conditioning_folder(RESULTS, key)
         return ["--conditioning", folder] if arguments else [folder]
 
     helper.__name__ = f"{stage}_conditioning{'_arguments' if arguments else ''}"
@@ -688,28 +459,12 @@ def pool_of(wildcards):
 
 def encode_inputs(wildcards):
     """The pool's prompt file (a toy split is none) and the toy backbone it is encoded by."""
-    pool = pool_of(wildcards)
-    inputs = {}
-    if not pool.source.startswith("toy:"):
-        inputs["prompts"] = pool.source
-    toy = _toyworld_inputs(pool.config)
-    if "toy_backbone" in toy:
-        inputs["toy_backbone"] = toy["toy_backbone"]
-    return inputs
+    return pool_of(wildcards).inputs(TOYWORLD)
 
 
 def encode_settings(wildcards):
-    """``--set KEY=VALUE`` for every key the encode stage reads (values as JSON, which YAML
-    reads back as they were: a negative prompt "yes" stays text) and the backbone device
-    (of the pool's first run)."""
-    config = pool_of(wildcards).config
-    device = {"backbone.device": config.backbone.device}
-    values = {**stage_values(config, "encode"), **device}
-    return [
-        argument
-        for key, value in values.items()
-        for argument in ("--set", f"{key}={_json.dumps(value)}")
-    ]
+    """``--set KEY=VALUE`` for every key the encode stage reads and the backbone device."""
+    return pool_of(wildcards).settings()
 
 
 def encode_source(wildcards):
@@ -731,52 +486,16 @@ def encode_digest(wildcards):
 def encode_gpus(wildcards):
     """One GPU when the text encoders run on CUDA (backbone.device)."""
     device = pool_of(wildcards).config.backbone.device
-    why = f"backbone.device {device}"
-    return _gpus(f"encode {wildcards.pool}", int(_on_cuda(device)), why)
+    request = (int(resources.on_cuda(device)), f"backbone.device {device}")
+    return _gpus(f"encode {wildcards.pool}", request)
 
 
 # Blocks of rounds (workflow.rounds_per_job K > 1, block.smk): a run's rounds in blocks of K,
 # a block named by its last round e. Its job writes every file of its rounds at the paths of
 # the single-round jobs; Snakemake knows its record and its last checkpoint.
-BLOCK_RECORD = "block.json"
-BLOCK_TRANSIENT_RECORD = "block-transient.json"
-
-
-def block_record(run, block):
-    """The record of ``block`` (a range of rounds) of ``run``: round-<e>/block.json, or
-    block-transient.json when round e keeps no checkpoint (the rule block_transient's).
-    """
-    last = block[-1]
-    name = BLOCK_RECORD if kept_round(run, last) else BLOCK_TRANSIENT_RECORD
-    return f"{round_folder(run, last)}/{name}"
-
-
-def block_files(run, block):
-    """What ``block`` of ``run`` writes besides its outputs: every round's scores and
-    metric lines, the kept rounds' rollouts and checkpoints, its evaluations."""
-    files = []
-    for round_index in block:
-        folder = round_folder(run, round_index)
-        files += [f"{folder}/scores"]
-        files += [f"{folder}/{ROUND_RECORDS}/{stage}.jsonl" for stage in ROUND_STAGES]
-        if kept_round(run, round_index):
-            files += [rollout_dir(run, round_index), checkpoint_dir(run, round_index)]
-    files += [
-        f"{run.directory}/eval/{evaluation_name(n)}"
-        for n in run.block_evaluations(block)
-    ]
-    return files
-
-
 # Checkpoints written inside a block (kept rounds, not its last): what an evaluation run that
 # names one waits for is the block's record.
-BLOCK_WRITTEN = {
-    os.path.normpath(checkpoint_dir(run, round_index)): block_record(run, block)
-    for run in RUNS.values()
-    for block in run.blocks
-    for round_index in block[:-1]
-    if kept_round(run, round_index)
-}
+BLOCK_WRITTEN = RETENTION.block_written(RUNS.values())
 
 
 def block_of(wildcards):
@@ -798,19 +517,21 @@ def block_inputs(wildcards):
     run, block = block_of(wildcards)
     inputs = _toyworld_inputs(run.config)
     if block.start > 0:
-        inputs["policy"] = _policy(run, block.start)
+        inputs["policy"] = RETENTION.policy(run, block.start)
     pools = RUN_POOLS.get(run.run_id, {})
     if "rollout" in pools:
-        inputs["conditioning"] = f"{CONDITIONING}/{pools['rollout']}"
+        inputs["conditioning"] = layout.conditioning_folder(RESULTS, pools["rollout"])
     if run.block_evaluations(block) and "evaluate" in pools:
-        inputs["eval_conditioning"] = f"{CONDITIONING}/{pools['evaluate']}"
+        inputs["eval_conditioning"] = layout.conditioning_folder(
+            RESULTS, pools["evaluate"]
+        )
     return inputs
 
 
 def block_policy(wildcards):
     """The --policy of a block: base, or the checkpoint after its first round's predecessors."""
     run, block = block_of(wildcards)
-    return _policy(run, block.start)
+    return RETENTION.policy(run, block.start)
 
 
 def run_folder(wildcards):
@@ -827,7 +548,7 @@ def block_rounds(wildcards):
 def block_kept(wildcards):
     """The block's rounds that keep their rollout and checkpoint (workflow.keep_every)."""
     run, block = block_of(wildcards)
-    return " ".join(str(r) for r in block if kept_round(run, r))
+    return " ".join(str(r) for r in block if RETENTION.kept(run, r))
 
 
 def block_evaluations(wildcards):
@@ -863,22 +584,6 @@ def block_digest(wildcards):
 
 
 def block_runtime(wildcards):
-    """A block job's time limit in minutes: an hour, and half an hour per round."""
+    """A block job's time limit in minutes (resources.block_runtime)."""
     _, block = block_of(wildcards)
-    return 60 + 30 * len(block)
-
-
-def force_lost_blocks(run):
-    """Rerun the finished blocks of ``run`` whose files are not all there any more (deleted
-    by hand, or lost with a disk): their record is what Snakemake knows of them, so it is
-    forced (Snakemake's forcerun, added to the DAG being built: a record's content cannot
-    say it). A rerun resumes after the last complete checkpoint before the first lost file.
-    """
-    dag = workflow.dag
-    if dag is None or not workflow.is_main_process:
-        return
-    for block in run.blocks:
-        record = block_record(run, block)
-        files = block_files(run, block)
-        if Path(record).is_file() and not all(Path(path).exists() for path in files):
-            dag.forcefiles.add(record)
+    return resources.block_runtime(len(block))

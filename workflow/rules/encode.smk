@@ -7,7 +7,7 @@ rule encode:
     input:
         unpack(encode_inputs),
     output:
-        directory(f"{CONDITIONING}/{{pool}}"),
+        directory(POOL),
     log:
         f"{LOGS}/conditioning/{{pool}}.log",
     benchmark:
@@ -29,6 +29,7 @@ rule encode:
         settings=encode_settings,
         prompts=encode_source,
         column=encode_column,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=encode_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline encode"

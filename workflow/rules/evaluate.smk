@@ -6,11 +6,11 @@ rule evaluate:
         unpack(evaluate_inputs),
         conditioning=evaluate_conditioning,
     output:
-        metrics=directory(f"{RUN}/eval/{EVALUATION_PREFIX}{{trained}}"),
+        metrics=directory(RUN_EVAL),
     log:
-        f"{LOGS}/{JOB}/eval/{EVALUATION_PREFIX}{{trained}}.log",
+        f"{LOGS}/{JOB_EVAL}.log",
     benchmark:
-        f"{BENCHMARKS}/{JOB}/eval/{EVALUATION_PREFIX}{{trained}}.tsv"
+        f"{BENCHMARKS}/{JOB_EVAL}.tsv"
     conda:
         "../../envs/pipeline.yaml"
     container:
@@ -33,6 +33,7 @@ rule evaluate:
         policy=evaluate_policy,
         device=backbone_device,
         python=PYTHON,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=evaluate_digest,
         conditioning=evaluate_conditioning_arguments,
     shell:

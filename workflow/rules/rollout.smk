@@ -38,6 +38,7 @@ rule rollout:
         policy=rollout_policy,
         device=backbone_device,
         python=PYTHON,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=rollout_digest,
         conditioning=rollout_conditioning_arguments,
     shell:

@@ -28,6 +28,7 @@ rule score:
         python=PYTHON,
         config=run_config_file,
         device=reward_device,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=score_digest,
     shell:
         "OMP_NUM_THREADS={threads} {params.python:q} -m jagg_pipeline score"

@@ -7,26 +7,26 @@ rule summary:
         summary_inputs,
     output:
         table=report(
-            f"{RESULTS}/{{experiment}}/summary/table.md",
+            f"{SUMMARY}/table.md",
             caption="../report/table.rst",
             category="comparison",
             subcategory="{experiment}",
         ),
         curves=report(
-            f"{RESULTS}/{{experiment}}/summary/curves.png",
+            f"{SUMMARY}/curves.png",
             caption="../report/curves.rst",
             category="comparison",
             subcategory="{experiment}",
         ),
         grids=report(
-            directory(f"{RESULTS}/{{experiment}}/summary/grids"),
+            directory(f"{SUMMARY}/grids"),
             patterns=["{name}.png"],
             caption="../report/grids.rst",
             category="evaluation grids",
             subcategory="{experiment}",
         ),
-        metrics=f"{RESULTS}/{{experiment}}/summary/metrics.jsonl",
-        summary=f"{RESULTS}/{{experiment}}/summary/summary.json",
+        metrics=f"{SUMMARY}/metrics.jsonl",
+        summary=f"{SUMMARY}/summary.json",
     log:
         f"{LOGS}/{{experiment}}/summary.log",
     conda:

@@ -7,10 +7,10 @@
 
 rule track:
     input:
-        summary=f"{RESULTS}/{{experiment}}/summary/table.md",
-        curves=f"{RESULTS}/{{experiment}}/summary/curves.png",
+        summary=f"{SUMMARY}/table.md",
+        curves=f"{SUMMARY}/curves.png",
     output:
-        f"{RESULTS}/{{experiment}}/tracking/tracked.json",
+        TRACKED,
     log:
         f"{LOGS}/{{experiment}}/track.log",
     conda:
@@ -26,6 +26,7 @@ rule track:
     params:
         python=PYTHON,
         runs=summary_arguments,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=tracking_digest,
     shell:
         "{params.python:q} -m jagg_pipeline track --experiment {wildcards.experiment:q}"
@@ -35,24 +36,24 @@ rule track:
 
 rule compare:
     input:
-        f"{RESULTS}/{{experiment}}/tracking/tracked.json",
+        TRACKED,
     output:
-        html=f"{RESULTS}/comparison/{{experiment}}/index.html",
-        table=f"{RESULTS}/comparison/{{experiment}}/table.md",
+        html=f"{COMPARISON}/index.html",
+        table=f"{COMPARISON}/table.md",
         curves=report(
-            f"{RESULTS}/comparison/{{experiment}}/curves.png",
+            f"{COMPARISON}/curves.png",
             caption="../report/compare.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
         ),
         speed=report(
-            f"{RESULTS}/comparison/{{experiment}}/speed.png",
+            f"{COMPARISON}/speed.png",
             caption="../report/speed.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",
         ),
         cos_sim=report(
-            f"{RESULTS}/comparison/{{experiment}}/cos_sim.png",
+            f"{COMPARISON}/cos_sim.png",
             caption="../report/cos_sim.rst",
             category="comparison (read back from MLflow)",
             subcategory="{experiment}",

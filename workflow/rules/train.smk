@@ -35,6 +35,7 @@ rule train:
         policy=rollout_policy,
         device=backbone_device,
         python=PYTHON,
+        # What this job reads of the config: Snakemake reruns it when a value changes.
         digest=train_digest,
     shell:
         "{params.python:q} -m jagg_pipeline launch train"
