@@ -19,7 +19,7 @@ from jagg_pipeline.core.options import (
     option_help,
 )
 
-OPTIONS = list(DEFAULT_OPTIONS.as_kwargs())
+OPTIONS = list(EngineOptions.names())
 ENGINES = [
     jagg.unit_gradient,
     jagg.accumulate_gradient,
