@@ -63,16 +63,15 @@ def measure(args: argparse.Namespace, rollout_in_bf16: bool) -> dict[str, float]
             )
 
             def run(objective: GRPOStepLoss = objective, reuse: bool = reuse) -> None:
-                stats[reuse] = jagg.trajectory_gradient(
-                    trainer.velocity,
-                    objective,
+                batch = jagg.MicroBatch(
                     problem.latents,
                     problem.sigmas,
                     problem.cond,
-                    problem.steps,
-                    window=4,
-                    mode="jagg",
-                    known_velocities=problem.velocities if reuse else None,
+                    objective,
+                    problem.velocities if reuse else None,
+                )
+                stats[reuse] = jagg.trajectory_gradient(
+                    trainer.velocity, batch, problem.steps, window=4, mode="jagg"
                 )
 
             grads[reuse] = jagg.collect_gradient(params, run)

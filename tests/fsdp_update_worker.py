@@ -20,6 +20,7 @@ def main(checkpoint: Path, out: Path) -> None:
     from jagg_pipeline.backbones import BackboneConfig, load_backbone
     from jagg_pipeline.core import jagg
     from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
+    from jagg_pipeline.core.options import EngineOptions
     from jagg_pipeline.core.sde import StepCoefficients
     from jagg_pipeline.stages import distributed
 
@@ -81,14 +82,7 @@ def main(checkpoint: Path, out: Path) -> None:
         ):
             before = counter["calls"]
             jagg.window_gradient(
-                sharded.velocity,
-                mine.objective,
-                mine.latents,
-                sigmas,
-                mine.cond,
-                steps,
-                mode,
-                endpoint_backward=backward,
+                sharded.velocity, mine, steps, mode, EngineOptions(endpoint_backward=backward)
             )
             report[f"{name}_window_reduce_scatters"] = counter["calls"] - before
             for p in params:
@@ -103,7 +97,7 @@ def main(checkpoint: Path, out: Path) -> None:
             [[0, 1], [2, 3]],
             [True, False],
             "jagg",
-            lambda on: distributed.set_gradient_sync(sharded.transformer, on),
+            set_sync=lambda on: distributed.set_gradient_sync(sharded.transformer, on),
         )
         report["step_reduce_scatters"] = counter["calls"] - before
 
@@ -111,15 +105,7 @@ def main(checkpoint: Path, out: Path) -> None:
         got = [distributed.full_tensor(p.grad) for p in params]
         everything = part(list(range(batch)))
         jagg.trajectory_gradient(
-            reference.velocity,
-            everything.objective,
-            latents,
-            sigmas,
-            cond,
-            steps,
-            window=2,
-            mode="jagg",
-            routing=[True, False],
+            reference.velocity, everything, steps, window=2, mode="jagg", routing=[True, False]
         )
         expected = [p.grad for p in reference.trainable_parameters()]
         report["max_grad_difference"] = max(

@@ -162,9 +162,8 @@ def rollout(backbone, seed=1):
 
 
 def grpo_gradient(backbone, traj, cond, steps, objective, mode):
-    return jagg.trajectory_gradient(
-        backbone.velocity, objective(), traj.latents, traj.sigmas, cond, steps, window=2, mode=mode
-    )
+    batch = jagg.MicroBatch(traj.latents, traj.sigmas, cond, objective())
+    return jagg.trajectory_gradient(backbone.velocity, batch, steps, window=2, mode=mode)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -9,6 +9,7 @@ from torch.func import functional_call, jacrev
 from jagg_pipeline.bench.gradcheck import GradcheckConfig, build_problem
 from jagg_pipeline.core import jagg, sde
 from jagg_pipeline.core.objective import recompute_log_probs
+from jagg_pipeline.core.options import EngineOptions
 
 
 def problem(**kw):
@@ -20,9 +21,7 @@ def problem(**kw):
 def window_grads(p, steps, mode, **options):
     return jagg.collect_gradient(
         p.params,
-        lambda: jagg.window_gradient(
-            p.velocity, p.objective(), p.latents, p.sigmas, p.cond, steps, mode, **options
-        ),
+        lambda: jagg.window_gradient(p.velocity, p.batch(), steps, mode, EngineOptions(**options)),
     )
 
 
@@ -209,7 +208,7 @@ def test_exact_and_jagg_forward_and_backward_counts(window):
         net = Counting(p.backbone.module, p.latents.shape[0])
         # The joint endpoint backward's counts (the sequential one's: below).
         stats = jagg.window_gradient(
-            net, p.objective(), p.latents, p.sigmas, p.cond, steps, mode, endpoint_backward="joint"
+            net, p.batch(), steps, mode, EngineOptions(endpoint_backward="joint")
         )
         assert dict(calls=net.calls, rows=net.rows, backward_calls=net.backward_calls) == counts
         assert (stats.network_calls, stats.forward_rows, stats.backward_calls) == (
@@ -315,9 +314,8 @@ def test_rollout_log_probs_recomputed_give_ratio_exactly_one(dtype):
     assert torch.equal(recomputed, p.old_log_probs[:, p.steps])
     objective = p.objective()
     p.gradient("exact")  # fresh objectives inside; run one here to inspect what it saw
-    jagg.trajectory_gradient(
-        p.velocity, objective, p.latents, p.sigmas, p.cond, p.steps, window=4, mode="exact"
-    )
+    batch = jagg.MicroBatch(p.latents, p.sigmas, p.cond, objective)
+    jagg.trajectory_gradient(p.velocity, batch, p.steps, window=4, mode="exact")
     for k in p.steps:
         assert torch.equal(objective.seen[k], p.old_log_probs[:, k])
     assert objective.diagnostics() == {"clipfrac": 0.0, "approx_kl": 0.0, "max_ratio_dev": 0.0}
@@ -326,18 +324,10 @@ def test_rollout_log_probs_recomputed_give_ratio_exactly_one(dtype):
 def test_engine_errors_name_the_problem():
     p = problem(backbone="affine")
     with pytest.raises(ValueError, match="gradient mode"):
-        jagg.window_gradient(p.velocity, p.objective(), p.latents, p.sigmas, p.cond, [0, 1], "fast")
+        jagg.window_gradient(p.velocity, p.batch(), [0, 1], "fast")
     with pytest.raises(ValueError, match="routing has 1 entries for 3 windows"):
         jagg.trajectory_gradient(
-            p.velocity,
-            p.objective(),
-            p.latents,
-            p.sigmas,
-            p.cond,
-            p.steps,
-            window=4,
-            mode="jagg",
-            routing=[True],
+            p.velocity, p.batch(), p.steps, window=4, mode="jagg", routing=[True]
         )
     with pytest.raises(ValueError, match="equal endpoint sigmas"):
         jagg.interpolation_weights(torch.tensor([0.5, 0.5]), [0, 1])
@@ -357,15 +347,11 @@ def test_unstacked_forwards_keep_ratio_exactly_one_and_the_same_gradient():
     net = Counting(p.backbone.module, p.latents.shape[0])
     stats = jagg.trajectory_gradient(
         net,
-        objective,
-        p.latents,
-        p.sigmas,
-        p.cond,
+        jagg.MicroBatch(p.latents, p.sigmas, p.cond, objective),
         p.steps,
         window=4,
         mode="jagg",
-        stack_forwards=False,
-        endpoint_backward="joint",
+        options=EngineOptions(stack_forwards=False, endpoint_backward="joint"),
     )
     for k in p.steps:
         assert torch.equal(objective.seen[k], p.old_log_probs[:, k])
@@ -491,15 +477,15 @@ def test_gradient_sync_is_on_for_the_last_backward_call_of_the_step_only():
     windows = jagg.split_windows(p.steps, 4)
     for endpoint_backward, calls in [("joint", 3), ("sequential", 6)]:
         switches = []
-        batch = jagg.MicroBatch(p.latents, p.sigmas, p.cond, p.objective())
+        batch = p.batch()
         jagg.accumulate_gradient(
             p.velocity,
             [batch, batch],
             windows,
             [True] * len(windows),
             "jagg",
+            EngineOptions(endpoint_backward=endpoint_backward),
             switches.append,
-            endpoint_backward=endpoint_backward,
         )
         assert switches == [False] * (2 * calls - 1) + [True], endpoint_backward
 
@@ -638,14 +624,7 @@ def test_shared_anchors_match_explicit_jacobian_interpolation_on_a_nonlinear_mod
         got = jagg.collect_gradient(
             p.params,
             lambda backward=backward: jagg.unit_gradient(
-                p.velocity,
-                p.objective(),
-                p.latents,
-                p.sigmas,
-                p.cond,
-                windows,
-                "jagg",
-                endpoint_backward=backward,
+                p.velocity, p.batch(), windows, "jagg", EngineOptions(endpoint_backward=backward)
             ),
         )
         assert rel_err(got, expected) < 1e-12, backward
@@ -718,15 +697,11 @@ def test_shared_anchors_follow_the_routing():
     expected = (
         jagg.collect_gradient(
             p.params,
-            lambda: jagg.unit_gradient(
-                p.velocity, p.objective(), p.latents, p.sigmas, p.cond, windows[:2], "jagg"
-            ),
+            lambda: jagg.unit_gradient(p.velocity, p.batch(), windows[:2], "jagg"),
         )
         + jagg.collect_gradient(
             p.params,
-            lambda: jagg.unit_gradient(
-                p.velocity, p.objective(), p.latents, p.sigmas, p.cond, windows[3:5], "jagg"
-            ),
+            lambda: jagg.unit_gradient(p.velocity, p.batch(), windows[3:5], "jagg"),
         )
         + window_grads(p, windows[2], "exact")
         + window_grads(p, windows[5], "exact")

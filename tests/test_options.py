@@ -19,13 +19,22 @@ from jagg_pipeline.core.options import (
     option_help,
 )
 
-OPTIONS = list(DEFAULT_OPTIONS.as_kwargs())
+OPTIONS = list(EngineOptions.names())
+# The engines: each takes the options as ONE record.
 ENGINES = [
+    jagg.window_gradient,
     jagg.unit_gradient,
     jagg.accumulate_gradient,
     jagg.trajectory_gradient,
     jagg.probe_windows,
+]
+# The layout helpers: each takes the one or two options it reads, by name.
+HELPERS = [
     jagg.split_windows,
+    jagg.interpolation_weights,
+    jagg.anchor_layout,
+    jagg.approximated_units,
+    jagg.reusable_steps,
 ]
 
 
@@ -47,14 +56,26 @@ def test_settings_copy_each_option_s_default_help_and_choices(settings):
     assert set(OPTIONS) <= set(_fields(JaggConfig)), "the run config sets every option"
 
 
-def test_engine_defaults_are_the_declared_ones():
-    checked = 0
+def test_engines_take_the_declared_options_as_one_record():
     for engine in ENGINES:
-        for name, parameter in inspect.signature(engine).parameters.items():
+        parameters = inspect.signature(engine).parameters
+        assert parameters["options"].default is DEFAULT_OPTIONS, engine
+        assert not set(OPTIONS) & set(parameters), engine
+
+
+def test_helper_defaults_are_the_declared_ones():
+    checked = 0
+    for helper in HELPERS:
+        for name, parameter in inspect.signature(helper).parameters.items():
             if name in OPTIONS:
-                assert parameter.default == getattr(DEFAULT_OPTIONS, name), (engine, name)
+                assert parameter.default == getattr(DEFAULT_OPTIONS, name), (helper, name)
                 checked += 1
-    assert checked >= 12
+    assert checked >= 6
+
+
+def test_run_config_hands_the_engines_its_options():
+    config = JaggConfig(anchors="shared", endpoint_backward="joint")
+    assert config.engine_options() == EngineOptions(anchors="shared", endpoint_backward="joint")
 
 
 def test_gradcheck_flags_are_built_from_the_declaration():

@@ -33,6 +33,7 @@ from jagg_pipeline.bench.gradcheck_config import (
 )
 from jagg_pipeline.core import grpo, jagg, sde
 from jagg_pipeline.core.objective import GRPOStepLoss, recompute_log_probs
+from jagg_pipeline.core.options import EngineOptions
 from jagg_pipeline.toyworld.tiny import TINY_BACKBONES, load_tiny_backbone
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -93,36 +94,47 @@ class GradcheckProblem:
             self.settings.clip_range,
         )
 
+    def batch(self, velocities: dict[int, torch.Tensor] | None = None) -> jagg.MicroBatch:
+        """The engines' record of this batch with a fresh objective (``velocities``: reuse)."""
+        return jagg.MicroBatch(self.latents, self.sigmas, self.cond, self.objective(), velocities)
+
+    def options(self, **overrides: Any) -> EngineOptions:
+        """The settings' engine options, the other fields at their defaults, then ``overrides``."""
+        settings = {
+            "weights": self.settings.weights,
+            "no_interp": self.settings.no_interp,
+            "endpoint_backward": self.settings.endpoint_backward,
+        }
+        return EngineOptions(**{**settings, **overrides})
+
     def probe(self, anchors: jagg.Anchors = "separate") -> list[jagg.WindowProbe]:
         """Per-window agreement of jagg and no_interp with exact (window/options from settings)."""
         return jagg.probe_windows(
             self.params,
             self.velocity,
-            self.objective(),
-            self.latents,
-            self.sigmas,
-            self.cond,
+            self.batch(),
             self.steps,
             window=self.settings.window,
-            anchors=anchors,
-            weights=self.settings.weights,
-            no_interp=self.settings.no_interp,
-            endpoint_backward=self.settings.endpoint_backward,
+            options=self.options(anchors=anchors),
         )
 
     def gradient(
-        self, mode: jagg.GradMode, network: sde.Velocity | None = None, **overrides: Any
+        self,
+        mode: jagg.GradMode,
+        network: sde.Velocity | None = None,
+        known_velocities: dict[int, torch.Tensor] | None = None,
+        **overrides: Any,
     ) -> tuple[torch.Tensor, jagg.TrajectoryStats]:
         """The flat whole-trajectory gradient of ``mode`` (window/routing from the settings).
 
-        ``network``: a velocity callable to run instead of the backbone's (a wrapper of it).
+        ``network``: a velocity callable to run instead of the backbone's (a wrapper of it);
+        ``known_velocities``: the stored velocities the engine may reuse; ``overrides``:
+        engine options or :func:`~jagg_pipeline.core.jagg.trajectory_gradient` arguments.
         """
-        options = {
+        options = {name: overrides.pop(name) for name in EngineOptions.names() if name in overrides}
+        routing = {
             "window": self.settings.window,
             "jagg_frac": self.settings.jagg_frac,
-            "weights": self.settings.weights,
-            "no_interp": self.settings.no_interp,
-            "endpoint_backward": self.settings.endpoint_backward,
             **overrides,
         }
         result: list[jagg.TrajectoryStats] = []
@@ -131,13 +143,11 @@ class GradcheckProblem:
             lambda: result.append(
                 jagg.trajectory_gradient(
                     network or self.velocity,
-                    self.objective(),
-                    self.latents,
-                    self.sigmas,
-                    self.cond,
+                    self.batch(known_velocities),
                     self.steps,
                     mode=mode,
-                    **options,
+                    options=self.options(**options),
+                    **routing,
                 )
             ),
         )

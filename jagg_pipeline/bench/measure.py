@@ -49,6 +49,7 @@ from jagg_pipeline.bench.config import BENCH_BACKBONES, BenchConfig
 from jagg_pipeline.bench.gradcheck import GradcheckProblem, build_problem
 from jagg_pipeline.bench.gradcheck_config import GradcheckConfig
 from jagg_pipeline.core import jagg, sde
+from jagg_pipeline.core.options import EngineOptions
 from jagg_pipeline.support.timing import ForwardClock
 
 WIDE = {"heads": 4, "head_dim": 64}  # width 256
@@ -199,9 +200,7 @@ class Bench:
         p = self.problem
         windows = jagg.split_windows(p.steps, case.window, case.anchors)
         routed = jagg.route_windows(len(windows), case.frac)
-        batch = jagg.MicroBatch(
-            p.latents, p.sigmas, p.cond, p.objective(), p.velocities if case.reuse else None
-        )
+        batch = p.batch(p.velocities if case.reuse else None)
         self.clock.seconds = 0.0
         self.clock.sync()
         start = time.perf_counter()
@@ -211,9 +210,8 @@ class Bench:
             windows,
             routed,
             case.mode,
+            EngineOptions(anchors=case.anchors, endpoint_backward=case.backward),
             self.set_sync,
-            anchors=case.anchors,
-            endpoint_backward=case.backward,
         )
         self.clock.sync()
         engine = time.perf_counter() - start

@@ -30,9 +30,9 @@ from jagg_pipeline.config.tools import (
 )
 from jagg_pipeline.config.tools import load_yaml as _load_yaml
 from jagg_pipeline.core.options import (
-    DEFAULT_OPTIONS,
     Anchors,
     EndpointBackward,
+    EngineOptions,
     GradMode,
     NoInterpVariant,
     Weights,
@@ -483,9 +483,9 @@ class JaggConfig:
         minimum=0,
     )
 
-    def engine_options(self) -> dict[str, Any]:
+    def engine_options(self) -> EngineOptions:
         """The options every gradient-engine call of a run takes (training and probes)."""
-        return {name: getattr(self, name) for name in DEFAULT_OPTIONS.as_kwargs()}
+        return EngineOptions(**{name: getattr(self, name) for name in EngineOptions.names()})
 
 
 def lr_factor(step: int, *, total: int, warmup: int, kind: str) -> float:

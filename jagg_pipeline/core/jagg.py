@@ -27,7 +27,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from jagg_pipeline.core.options import (
     ENDPOINT_BACKWARDS,
     GRAD_MODES,
     Anchors,
-    EndpointBackward,
+    EngineOptions,
     GradMode,
     NoInterpVariant,
     Weights,
@@ -87,6 +87,39 @@ def repeat_cond(cond: Any, times: int) -> Any:
     return cond
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one backward consumes: trajectories, their step loss, on the network's device.
+
+    The engines' one input record. ``latents`` [B, T+1, ...] (z_k = latents[:, k]),
+    ``sigmas`` [T+1] the schedule, ``cond`` the batched conditioning (tensor, dict/tuple of
+    tensors, or None), ``objective`` the per-step loss L_k(v_k). ``velocities``: step -> v_k
+    [B, ...] as the current parameters compute it, when known (the rollout's, on the on-policy
+    optimizer step); the engines then skip interior forwards. It exists beside
+    :class:`~jagg_pipeline.core.sde.Trajectory` (what sampling produces, with log-probs and
+    masks, on the sampler's device) and :class:`~jagg_pipeline.io.trajectories.TrajectoryBatch`
+    (the on-disk rollout shard: prompts, groups, seeds, images) because it is the subset one
+    gradient needs, already on the training device and bound to its loss.
+    """
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    cond: Any
+    objective: StepLoss
+    velocities: Mapping[int, torch.Tensor] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+    def evaluate(self, velocity: Velocity, steps: Sequence[int]) -> torch.Tensor:
+        """One velocity call over the steps ``steps`` stacked along the batch dimension."""
+        batch = self.latents.shape[0]
+        z = torch.cat([self.latents[:, k] for k in steps])
+        sigma = torch.cat([sigma_batch(self.sigmas, k, batch, self.latents.dtype) for k in steps])
+        return velocity(z, sigma, repeat_cond(self.cond, len(steps)))
+
+
 def interpolation_weights(
     sigmas: torch.Tensor, steps: Sequence[int], weights: Weights = DEFAULT_OPTIONS.weights
 ) -> list[float]:
@@ -119,20 +152,16 @@ def _step_signal(step_loss: StepLoss, v: torch.Tensor, k: int) -> tuple[torch.Te
     return signal, float(loss.detach())
 
 
-def _evaluate(
-    velocity: Velocity, latents: torch.Tensor, sigmas: torch.Tensor, cond: Any, steps: list[int]
-) -> torch.Tensor:
-    """One velocity call over the steps ``steps`` stacked along the batch dimension."""
-    batch = latents.shape[0]
-    z = torch.cat([latents[:, k] for k in steps])
-    sigma = torch.cat([sigma_batch(sigmas, k, batch, latents.dtype) for k in steps])
-    return velocity(z, sigma, repeat_cond(cond, len(steps)))
-
-
-def _exact(velocity, step_loss, latents, sigmas, cond, stats: WindowStats, before_backward) -> None:
+def _exact(
+    velocity: Velocity,
+    batch: MicroBatch,
+    stats: WindowStats,
+    before_backward: Callable[[bool], None],
+) -> None:
+    """Each step of ``stats.steps``: its forward with grad and its own backward call."""
     for k in stats.steps:
-        v = _evaluate(velocity, latents, sigmas, cond, [k])
-        loss = step_loss(v, k)
+        v = batch.evaluate(velocity, [k])
+        loss = batch.objective(v, k)
         before_backward(k == stats.steps[-1])
         loss.backward()
         stats.loss += float(loss.detach())
@@ -262,10 +291,17 @@ class _Unit:
     and shared by every anchor sum it enters. Counts go to the window that owns the step.
     """
 
-    def __init__(self, velocity, step_loss, latents, sigmas, cond, layout, stats, stack, known):
-        self.velocity, self.step_loss = velocity, step_loss
-        self.latents, self.sigmas, self.cond = latents, sigmas, cond
-        self.layout, self.stats, self.stack, self.known = layout, stats, stack, known
+    def __init__(
+        self,
+        velocity: Velocity,
+        batch: MicroBatch,
+        layout: AnchorLayout,
+        stats: list[WindowStats],
+        stack: bool,
+    ) -> None:
+        self.velocity, self.batch = velocity, batch
+        self.layout, self.stats, self.stack = layout, stats, stack
+        self.known = batch.velocities
         self.owners = {k: part for part in stats for k in part.steps}
         anchors = set(layout.anchors)
         self.interior = [
@@ -274,7 +310,7 @@ class _Unit:
         ]
         # Only what the anchors vouch for is used: no stored anchor, no check, no reuse.
         vouched = [*layout.anchors, *(k for group in self.interior for k in group)]
-        self.stored = known is not None and all(k in known for k in vouched)
+        self.stored = self.known is not None and all(k in self.known for k in vouched)
         self.velocities: dict[int, torch.Tensor] = {}
         self.signals: dict[int, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
@@ -284,7 +320,7 @@ class _Unit:
         self.owners[group[0]].network_calls += 1
         for k in group:
             self.owners[k].forward_rows += 1
-        return _evaluate(self.velocity, self.latents, self.sigmas, self.cond, group)
+        return self.batch.evaluate(self.velocity, group)
 
     def check(self, step: int, recomputed: torch.Tensor) -> None:
         """Compare an anchor's recomputed velocity with the stored one; stop reusing if off."""
@@ -340,7 +376,7 @@ class _Unit:
                 continue
             if k not in self.signals:
                 self.signals[k], self.losses[k] = _step_signal(
-                    self.step_loss, self.velocities[k], k
+                    self.batch.objective, self.velocities[k], k
                 )
             term = weight * self.signals[k]
             total = term if total is None else total + term
@@ -350,19 +386,16 @@ class _Unit:
 
 
 def _aggregated(
-    velocity,
-    step_loss,
-    latents,
-    sigmas,
-    cond,
+    velocity: Velocity,
+    batch: MicroBatch,
     layout: AnchorLayout,
     stats: list[WindowStats],
-    stack,
-    known,
-    backward: EndpointBackward,
+    options: EngineOptions,
     before_backward: Callable[[bool], None],
 ) -> None:
-    unit = _Unit(velocity, step_loss, latents, sigmas, cond, layout, stats, stack, known)
+    """An approximated unit: the anchors' forwards and backwards with the summed signals."""
+    stack, backward = options.stack_forwards, options.endpoint_backward
+    unit = _Unit(velocity, batch, layout, stats, stack)
     anchors, owners = layout.anchors, unit.owners
     if backward == "sequential":
         # One anchor graph alive at a time: its forward, its signal (its own step's plus its
@@ -398,69 +431,59 @@ def _aggregated(
 
 def window_gradient(
     velocity: Velocity,
-    step_loss: StepLoss,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    cond: Any,
+    batch: MicroBatch,
     steps: Sequence[int],
     mode: GradMode,
-    **options: Any,
+    options: EngineOptions = DEFAULT_OPTIONS,
 ) -> WindowStats:
-    """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one window.
+    """Accumulate into ``param.grad`` the gradient of sum_k L_k(v_k) over one window.
 
     :func:`unit_gradient` on the one window ``steps`` (its two ends the anchors).
     """
-    (stats,) = unit_gradient(velocity, step_loss, latents, sigmas, cond, [steps], mode, **options)
+    (stats,) = unit_gradient(velocity, batch, [steps], mode, options)
     return stats
 
 
 def unit_gradient(
     velocity: Velocity,
-    step_loss: StepLoss,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    cond: Any,
+    batch: MicroBatch,
     windows: Sequence[Sequence[int]],
     mode: GradMode,
-    *,
-    weights: Weights = DEFAULT_OPTIONS.weights,
-    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
-    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
-    known_velocities: Mapping[int, torch.Tensor] | None = None,
-    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
+    options: EngineOptions = DEFAULT_OPTIONS,
     before_backward: Callable[[bool], None] | None = None,
 ) -> list[WindowStats]:
-    """Accumulate into ``param.grad`` the gradient of sum_k step_loss(v_k, k) over one unit.
+    """Accumulate into ``param.grad`` the gradient of sum_k L_k(v_k) over one unit of ``batch``.
 
     A unit is one window, or consecutive windows whose intervals share their boundary
     anchors (:func:`anchor_layout`); one :class:`WindowStats` per window, each counting the
-    rows of the steps it owns. ``latents`` [B, T+1, ...] holds the trajectory
-    (z_k = latents[:, k]), ``sigmas`` [T+1] its schedule, ``windows`` the trained step
-    indices in order. ``mode``: ``exact`` (a forward and a backward per step), ``jagg`` (the
-    anchors' forward with grad, the interiors' forward without, one backward), ``no_interp``
-    (anchors only; ``no_interp="drop"`` ignores interior signals, ``"nearest"`` hands each to
-    the nearer anchor in t, ties split evenly). A one-step unit is always exact; a two-step
-    window under ``jagg`` is exact. ``stack_forwards=False`` evaluates each step at the sample
-    batch size (one network call per row, still one ``backward`` call over all anchor
-    outputs): slower on accelerators, but recomputed log-probs then equal the rollout's bit
-    for bit (ratio == 1 exactly). ``known_velocities`` (step -> v_k [B, ...]): interior
-    velocities to use instead of the interior forwards, valid only while the parameters are
-    those that produced them (the rollout's, before the round's first optimizer step); then a
-    unit costs the anchor rows alone. Exact steps and anchors always run the network, and each
-    recomputed anchor is compared with its stored velocity (when one is given): beyond
-    :func:`reuse_tolerance`, or stored in a finer precision than the network computes in
-    (:func:`finer_than`), the stored interiors are not used (``stats.reuse_rejected``).
-    ``endpoint_backward``: ``joint`` keeps every anchor graph alive until one backward call;
-    ``sequential`` runs each anchor's forward and backward on its own (one backward call per
-    anchor, the activation peak of one step, the same gradient). ``before_backward(last)`` is
-    called before every backward call into the network, ``last`` True for the unit's last one
-    (FSDP2's gradient-sync switch).
+    rows of the steps it owns. ``windows``: the trained step indices in order; L_k is
+    ``batch.objective``. ``mode``: ``exact`` (a forward and a backward per step), ``jagg``
+    (the anchors' forward with grad, the interiors' forward without, one backward),
+    ``no_interp`` (anchors only; ``options.no_interp="drop"`` ignores interior signals,
+    ``"nearest"`` hands each to the nearer anchor in t, ties split evenly). A one-step unit is
+    always exact; a two-step window under ``jagg`` is exact. ``options.stack_forwards=False``
+    evaluates each step at the sample batch size (one network call per row, still one
+    ``backward`` call over all anchor outputs): slower on accelerators, but recomputed
+    log-probs then equal the rollout's bit for bit (ratio == 1 exactly). ``batch.velocities``
+    (step -> v_k [B, ...]): interior velocities to use instead of the interior forwards, valid
+    only while the parameters are those that produced them (the rollout's, before the round's
+    first optimizer step); then a unit costs the anchor rows alone. Exact steps and anchors
+    always run the network, and each recomputed anchor is compared with its stored velocity
+    (when one is given): beyond :func:`reuse_tolerance`, or stored in a finer precision than
+    the network computes in (:func:`finer_than`), the stored interiors are not used
+    (``stats.reuse_rejected``). ``options.endpoint_backward``: ``joint`` keeps every anchor
+    graph alive until one backward call; ``sequential`` runs each anchor's forward and
+    backward on its own (one backward call per anchor, the activation peak of one step, the
+    same gradient). ``options.anchors`` is not read here: the caller laid the unit out.
+    ``before_backward(last)`` is called before every backward call into the network, ``last``
+    True for the unit's last one (FSDP2's gradient-sync switch).
     """
     if mode not in GRAD_MODES:
         raise ValueError(f"gradient mode must be one of {GRAD_MODES}, got {mode!r}")
-    if endpoint_backward not in ENDPOINT_BACKWARDS:
+    if options.endpoint_backward not in ENDPOINT_BACKWARDS:
         raise ValueError(
-            f"endpoint_backward must be one of {ENDPOINT_BACKWARDS}, got {endpoint_backward!r}"
+            f"endpoint_backward must be one of {ENDPOINT_BACKWARDS}, "
+            f"got {options.endpoint_backward!r}"
         )
     if not windows or not all(windows):
         raise ValueError("a window needs at least one step")
@@ -472,27 +495,13 @@ def unit_gradient(
             last_window = i == len(stats) - 1
             _exact(
                 velocity,
-                step_loss,
-                latents,
-                sigmas,
-                cond,
+                batch,
                 part,
                 lambda last, last_window=last_window: before_backward(last and last_window),
             )
         return stats
-    _aggregated(
-        velocity,
-        step_loss,
-        latents,
-        sigmas,
-        cond,
-        anchor_layout(sigmas, windows, unit_mode, weights, no_interp),
-        stats,
-        stack_forwards,
-        known_velocities,
-        endpoint_backward,
-        before_backward,
-    )
+    layout = anchor_layout(batch.sigmas, windows, unit_mode, options.weights, options.no_interp)
+    _aggregated(velocity, batch, layout, stats, options, before_backward)
     return stats
 
 
@@ -599,25 +608,6 @@ class TrajectoryStats:
         return sum(w.reused_rows for w in self.windows)
 
 
-@dataclass
-class MicroBatch:
-    """Trajectories of one micro-batch and their per-step loss, on the network's device.
-
-    ``velocities``: step -> v_k as the current parameters compute it, when known (the
-    rollout's, on the on-policy optimizer step); the engines then skip interior forwards.
-    """
-
-    latents: torch.Tensor
-    sigmas: torch.Tensor
-    cond: Any
-    objective: StepLoss
-    velocities: Mapping[int, torch.Tensor] | None = None
-
-    @property
-    def size(self) -> int:
-        return self.latents.shape[0]
-
-
 def _merge(into: WindowStats, part: WindowStats) -> None:
     """Add one unit's share of a window's work to the window's statistics."""
     into.loss += part.loss
@@ -637,26 +627,25 @@ def accumulate_gradient(
     windows: Sequence[Sequence[int]],
     routed: Sequence[bool],
     mode: GradMode,
+    options: EngineOptions = DEFAULT_OPTIONS,
     set_sync: Callable[[bool], None] | None = None,
-    anchors: Anchors = DEFAULT_OPTIONS.anchors,
-    **engine_options: Any,
 ) -> list[list[WindowStats]]:
     """Accumulate one optimizer step's gradient; ``stats[micro_batch][window]``.
 
     THE accumulation loop: training and the gradient diagnostic both run it, so the backward
     calls they report are the same thing. Windows with ``routed`` True use ``mode``, the others
     are exact. Work is grouped into units: one per approximated unit (a window, or under
-    ``shared`` anchors a run of consecutive routed windows, see :func:`split_windows`) and one
-    per step of an exact window (an exact window IS W single-step backward calls, so splitting
-    it computes exactly the same thing). ``set_sync(on)`` (FSDP2's gradient sync) is called
-    before each backward call with on for the last one only: FSDP2 then accumulates the
-    unsharded gradients locally and reduces each parameter group ONCE per optimizer step
-    instead of once per backward call (fewer collectives, at the memory cost of holding the
-    unsharded gradients of the step).
+    ``options.anchors="shared"`` a run of consecutive routed windows, see
+    :func:`split_windows`) and one per step of an exact window (an exact window IS W
+    single-step backward calls, so splitting it computes exactly the same thing).
+    ``set_sync(on)`` (FSDP2's gradient sync) is called before each backward call with on for
+    the last one only: FSDP2 then accumulates the unsharded gradients locally and reduces each
+    parameter group ONCE per optimizer step instead of once per backward call (fewer
+    collectives, at the memory cost of holding the unsharded gradients of the step).
     """
     if len(routed) != len(windows):
         raise ValueError(f"routing has {len(routed)} entries for {len(windows)} windows")
-    approximated = approximated_units(routed, anchors) if mode != "exact" else []
+    approximated = approximated_units(routed, options.anchors) if mode != "exact" else []
     first_of = {unit[0]: unit for unit in approximated}
     covered = {w for unit in approximated for w in unit}
     per_batch: list[tuple[list[int], list[list[int]], str]] = []
@@ -674,18 +663,8 @@ def accumulate_gradient(
             if set_sync is not None:
                 set_sync(last_unit and last)
 
-        part = micro_batches[m]
         results = unit_gradient(
-            velocity,
-            part.objective,
-            part.latents,
-            part.sigmas,
-            part.cond,
-            chunks,
-            unit_mode,
-            known_velocities=part.velocities,
-            before_backward=before_backward,
-            **engine_options,
+            velocity, micro_batches[m], chunks, unit_mode, options, before_backward
         )
         for w, result in zip(window_indices, results, strict=True):
             if unit_mode != "exact":
@@ -696,45 +675,26 @@ def accumulate_gradient(
 
 def trajectory_gradient(
     velocity: Velocity,
-    step_loss: StepLoss,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    cond: Any,
+    batch: MicroBatch,
     steps: Sequence[int],
     *,
     window: int,
     mode: GradMode,
+    options: EngineOptions = DEFAULT_OPTIONS,
     jagg_frac: float = 1.0,
     routing: Sequence[bool] | None = None,
-    anchors: Anchors = DEFAULT_OPTIONS.anchors,
-    weights: Weights = DEFAULT_OPTIONS.weights,
-    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
-    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
-    known_velocities: Mapping[int, torch.Tensor] | None = None,
-    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
 ) -> TrajectoryStats:
     """Accumulate the gradient over all trained ``steps`` of one batch, windowed and routed.
 
-    :func:`accumulate_gradient` on a single micro-batch: windows (laid out by ``anchors``)
-    routed by ``jagg_frac`` (or an explicit per-window ``routing``) use ``mode``; the others
-    are exact. With ``mode="exact"`` every window is exact whatever the routing.
-    ``known_velocities``: see :func:`unit_gradient`.
+    :func:`accumulate_gradient` on a single micro-batch: windows (laid out by
+    ``options.anchors``) routed by ``jagg_frac`` (or an explicit per-window ``routing``) use
+    ``mode``; the others are exact. With ``mode="exact"`` every window is exact whatever the
+    routing. ``batch.velocities``: see :func:`unit_gradient`.
     """
-    windows = split_windows(steps, window, anchors)
+    windows = split_windows(steps, window, options.anchors)
     if routing is None:
         routing = route_windows(len(windows), jagg_frac)
-    (stats,) = accumulate_gradient(
-        velocity,
-        [MicroBatch(latents, sigmas, cond, step_loss, known_velocities)],
-        windows,
-        routing,
-        mode,
-        anchors=anchors,
-        weights=weights,
-        no_interp=no_interp,
-        stack_forwards=stack_forwards,
-        endpoint_backward=endpoint_backward,
-    )
+    (stats,) = accumulate_gradient(velocity, [batch], windows, routing, mode, options)
     return TrajectoryStats(windows=stats)
 
 
@@ -820,64 +780,43 @@ def _owned_only(step_loss: StepLoss, owned: Sequence[int]) -> StepLoss:
 def probe_windows(
     params: Iterable[torch.nn.Parameter],
     velocity: Velocity,
-    step_loss: StepLoss,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    cond: Any,
+    batch: MicroBatch,
     steps: Sequence[int],
     *,
     window: int,
-    anchors: Anchors = DEFAULT_OPTIONS.anchors,
-    weights: Weights = DEFAULT_OPTIONS.weights,
-    no_interp: NoInterpVariant = DEFAULT_OPTIONS.no_interp,
-    stack_forwards: bool = DEFAULT_OPTIONS.stack_forwards,
-    endpoint_backward: EndpointBackward = DEFAULT_OPTIONS.endpoint_backward,
+    options: EngineOptions = DEFAULT_OPTIONS,
 ) -> list[WindowProbe]:
     """Per window, cos-sim and relative error of the jagg and no_interp gradients vs exact.
 
-    The gradient of the steps a window owns, as the layout ``anchors`` computes it with every
-    window approximated: under shared anchors a window's interval borrows the anchor before
-    it, whose own step's signal (owned by the window before) is left out here. What
-    ``jagg_frac: auto`` routes on; leaves the parameters' ``.grad`` as it found them.
+    The gradient of the steps a window owns, as the layout ``options.anchors`` computes it with
+    every window approximated: under shared anchors a window's interval borrows the anchor
+    before it, whose own step's signal (owned by the window before) is left out here. Every
+    velocity is recomputed (``batch.velocities`` unused): the probe measures the
+    approximation, not the reuse. What ``jagg_frac: auto`` routes on; leaves the parameters'
+    ``.grad`` as it found them.
     """
     params = [p for p in params if p.requires_grad]
-    options = dict(
-        weights=weights,
-        no_interp=no_interp,
-        stack_forwards=stack_forwards,
-        endpoint_backward=endpoint_backward,
-    )
-    windows = split_windows(steps, window, anchors)
+    windows = split_windows(steps, window, options.anchors)
     probes = []
     for index, (chunk, interval) in enumerate(zip(windows, layout_intervals(windows), strict=True)):
-        borrowed = interval[: len(interval) - len(chunk)] if anchors == "shared" else []
-        owned_loss = _owned_only(step_loss, chunk)
+        borrowed = interval[: len(interval) - len(chunk)] if options.anchors == "shared" else []
+        owned = replace(batch, objective=_owned_only(batch.objective, chunk), velocities=None)
         approximated = [borrowed, chunk] if borrowed else [chunk]
         grads = {}
         for mode in GRAD_MODES:
             unit = [chunk] if mode == "exact" else approximated
             grads[mode] = collect_gradient(
                 params,
-                functools.partial(
-                    unit_gradient,
-                    velocity,
-                    owned_loss,
-                    latents,
-                    sigmas,
-                    cond,
-                    unit,
-                    mode,
-                    **options,
-                ),
+                functools.partial(unit_gradient, velocity, owned, unit, mode, options),
             )
-        span = interval if anchors == "shared" else chunk
+        span = interval if options.anchors == "shared" else chunk
         probes.append(
             WindowProbe(
                 index=index,
                 steps=chunk,
                 interval=span,
-                sigma_start=float(sigmas[span[0]]),
-                sigma_end=float(sigmas[span[-1]]),
+                sigma_start=float(batch.sigmas[span[0]]),
+                sigma_end=float(batch.sigmas[span[-1]]),
                 jagg=agreement(grads["jagg"], grads["exact"]),
                 no_interp=agreement(grads["no_interp"], grads["exact"]),
             )

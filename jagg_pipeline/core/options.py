@@ -1,9 +1,10 @@
 """The one declaration of the gradient engines' modes and options, torch-free.
 
-The engines (:mod:`jagg_pipeline.core.jagg`) take their defaults from :class:`EngineOptions`;
-the run config's ``jagg`` section, the gradient diagnostic's settings and its CLI flags copy
-each field (default, help text, choices) from here with :func:`option_field` and
-:func:`option_choices`, so that none of them can drift from what the engines do.
+The engines (:mod:`jagg_pipeline.core.jagg`) take one :class:`EngineOptions` record
+(:data:`DEFAULT_OPTIONS` unless given); the run config's ``jagg`` section, the gradient
+diagnostic's settings and its CLI flags copy each field (default, help text, choices) from
+here with :func:`option_field` and :func:`option_choices`, so that none of them can drift
+from what the engines do.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class EngineOptions:
         "(two endpoints' activations alive at once); the same gradient",
     )
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as the engines' keyword arguments."""
-        return dataclasses.asdict(self)
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names, in declaration order."""
+        return tuple(declared.name for declared in dataclasses.fields(cls))
 
 
 DEFAULT_OPTIONS = EngineOptions()
@@ -67,7 +69,7 @@ def _declared(name: str) -> dataclasses.Field:
     for declared in dataclasses.fields(EngineOptions):
         if declared.name == name:
             return declared
-    raise KeyError(f"{name!r} is not an engine option ({', '.join(DEFAULT_OPTIONS.as_kwargs())})")
+    raise KeyError(f"{name!r} is not an engine option ({', '.join(EngineOptions.names())})")
 
 
 def option_field(name: str) -> Any:

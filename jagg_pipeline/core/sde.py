@@ -249,7 +249,11 @@ class Trajectory:
     ``latents`` [B, T+1, ...] (x_0 = initial noise ... x_T = final latent), ``log_probs``
     [B, T] (0 where a step has no density), ``sigmas`` [T+1], the step masks, and
     ``velocities`` [B, n_trained, ...]: the network's velocity at each trained step
-    (``masks.trained_indices`` order), which on-policy training can reuse.
+    (``masks.trained_indices`` order), which on-policy training can reuse. What sampling
+    produces, before any conditioning, prompt or group is attached: the rollout stage turns
+    it into an :class:`~jagg_pipeline.io.trajectories.TrajectoryBatch` (the shard on disk),
+    training into :class:`~jagg_pipeline.core.jagg.MicroBatch` records (what one backward
+    consumes).
     """
 
     latents: torch.Tensor

@@ -44,7 +44,10 @@ class TrajectoryBatch:
     [B, 3, H, W] or None, ``sample_ids`` [B] (each sample's index in the whole rollout) or None,
     ``velocities`` [B, len(velocity_steps), ...] the sampling policy's velocity at the trained
     steps ``velocity_steps`` (those the on-policy step can reuse, in the policy's compute
-    dtype) or None (none stored); ``velocity_steps`` None means every trained step.
+    dtype) or None (none stored); ``velocity_steps`` None means every trained step. The
+    rollout shard format: a :class:`~jagg_pipeline.core.sde.Trajectory` plus what GRPO and the
+    reports need about each sample (prompt, group, seed, image); training selects micro-batches
+    from it and hands the engines :class:`~jagg_pipeline.core.jagg.MicroBatch` records.
     """
 
     latents: torch.Tensor

@@ -555,18 +555,13 @@ class Trainer:
         Every rank probes the same batch: the summed gradients are world_size times one
         rank's, which leaves the cosine similarities unchanged.
         """
-        jagg_config = self.config.jagg
-        batch = self.micro_batch(data, indices, None)
         probes = jagg.probe_windows(
             self.params,
             self.velocity,
-            batch.objective,
-            batch.latents,
-            batch.sigmas,
-            batch.cond,
+            self.micro_batch(data, indices, None),
             data.batch.trained_steps,
-            window=jagg_config.window,
-            **self.engine,
+            window=self.config.jagg.window,
+            options=self.engine,
         )
         return [p.to_dict() for p in probes]
 
@@ -596,8 +591,8 @@ class Trainer:
             windows,
             routing.routed,
             jagg_config.mode,
+            self.engine,
             lambda on: distributed.set_gradient_sync(self.backbone.transformer, on),
-            **self.engine,
         )
         self.clock.mark("engine")
 
