@@ -478,11 +478,8 @@ def print_presets(rows: Sequence[dict[str, Any]]) -> None:
     print(table(headers, lines))
 
 
-def print_projection(projection: dict[str, Any], sha: dict[str, float]) -> None:
-    """The projection tables."""
-    plans = projection["disk_plans"]
-    most = plans[KEEP_EVERY]["most_on_disk"]
-    ranks, rounds = projection["assumptions"]["ranks"], projection["assumptions"]["rounds"]
+def print_checkpoints(projection: dict[str, Any]) -> None:
+    """The projection's checkpoint sizes and host RAM while saving, per model."""
     print(
         f"\nProjection at {projection['setting']}: full fine-tuning, AdamW, bf16 weights and "
         "moments (6 B/param; EMA +2 B/param; fp32 12 B/param)"
@@ -511,6 +508,13 @@ def print_projection(projection: dict[str, Any], sha: dict[str, float]) -> None:
     headers = ["model", "B params", "ckpt GB", "+EMA GB", "fp32 GB", "shard/rank GB"]
     headers += ["save +RAM gathered r0", "save +RAM sharded/rank", "limit/rank"]
     print(table(headers, rows))
+
+
+def print_disk(projection: dict[str, Any]) -> None:
+    """The projection's kept rounds and the disk its checkpoints and rollouts take."""
+    plans = projection["disk_plans"]
+    most = plans[KEEP_EVERY]["most_on_disk"]
+    rounds = projection["assumptions"]["rounds"]
     verdict = "met" if most <= 7 else "NOT met"
     print(
         f"\n{rounds} rounds, keep_every {KEEP_EVERY} (eval.every {KEEP_EVERY}): kept rounds "
@@ -539,6 +543,11 @@ def print_projection(projection: dict[str, Any], sha: dict[str, float]) -> None:
     samples = projection["assumptions"]["samples_per_round"]
     print(f"Disk, GB ({samples} samples a round; rollouts 'all' / 'keep' at reusable jagg f=1)")
     print(table(headers, rows))
+
+
+def print_per_rank(projection: dict[str, Any], sha: dict[str, float]) -> None:
+    """What the projection still loads and hashes in proportion to the whole model, per rank."""
+    ranks, rounds = projection["assumptions"]["ranks"], projection["assumptions"]["rounds"]
     rows = [
         [
             row["model"],
@@ -601,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_rollouts(f"toy world default config ({args.config}), measured", toy, True, ("kB", 1e3))
     print_rollouts(PROJECTION_SETTING_LABEL, setting, False)
     print_presets(presets)
-    print_projection(projection, sha)
+    print_checkpoints(projection)
+    print_disk(projection)
+    print_per_rank(projection, sha)
     if args.out:
         record = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
