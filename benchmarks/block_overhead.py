@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Any
 
 import round_overhead as ro
-from scale_rehearsal import GB, config_with, gb, machine, table
+from _common import GB, config_with, gb, machine, table
 
 HERE = ro.HERE
 MODES = (1, 4, 25)  # K: rounds per job (1: the single-round jobs)

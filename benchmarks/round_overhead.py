@@ -63,17 +63,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from scale_rehearsal import (
+from _common import (
     GB,
     MODELS,
-    _drop_page_cache,
     choose_flux,
     count_parameters,
+    drop_page_cache,
     gb,
     machine,
-    preset_rows,
     table,
 )
+from scale_projection import preset_rows
 
 HERE = Path(__file__).resolve().parent.parent
 TESTS = HERE / "tests"
@@ -316,7 +316,7 @@ def run_stage(
     os.sync()  # dirty pages cannot be dropped
     for folder in drop:
         if folder.exists():
-            _drop_page_cache(folder)
+            drop_page_cache(folder)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=tree.path, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -519,7 +519,7 @@ class Setting:
     """One projected training setting on one 8-GPU node."""
 
     name: str
-    model: str  # a key of scale_rehearsal.MODELS
+    model: str  # a key of _common.MODELS
     family: str
     preset: str  # the preset whose sampler sets the rollout
     training: str  # full | lora
@@ -577,7 +577,7 @@ def setting_sizes(setting: Setting, presets: Path) -> dict[str, float]:
         "policy": policy,
         "trainer": trainer,
         "checkpoint": policy + trainer,
-        "rollout": row["rollout_now"],
+        "rollout": row["rollout_reusable"],
         "images": row["samples_per_round"] * 3 * height * width,
         "micro_batches": row["samples_per_round"] / sampler["batch_size"],
     }

@@ -44,7 +44,7 @@ def build_pipeline(root: Path, params: float = PARAMS) -> Path:
     from jagg_pipeline.toyworld.tiny import save_tiny_pipeline
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from scale_rehearsal import choose_flux
+    from _common import choose_flux
 
     pipeline = save_tiny_pipeline("flux", root / "flux-0.5b")
     folder = pipeline / "transformer"
