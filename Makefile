@@ -71,8 +71,11 @@ slurm-profile:
 	@echo "installed $(SLURM_PROFILE)/config.yaml (account '$(SLURM_ACCOUNT)', partition '$(SLURM_PARTITION)')"
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
+# The suite runs on every core (pytest-xdist), a test file per worker at a time, files that
+# share a service together (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 format: $(STAMP)
 	$(BIN)/ruff format jagg_pipeline tests benchmarks

@@ -3,9 +3,15 @@
 Tiny models on a shared 2-core machine run fastest on one thread; the suite is also run with
 ``JAGG_TEST_THREADS=2`` to show that no assertion depends on the float rounding of one setting.
 The shared fixtures: those defined here, and the training helpers' (``pytest_plugins``).
+Under pytest-xdist (``make test`` runs ``-n 2``) the expensive session fixtures are built once
+for all workers (``built_once``), not once per worker.
 """
 
 import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -18,14 +24,45 @@ torch.set_num_threads(int(os.environ.get("JAGG_TEST_THREADS", "1")))
 pytest_plugins = ["train_helpers"]
 
 
+# tryfirst: xdist's own hook reads the xdist_group marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """GPU tests (marker ``gpu``) are collected everywhere and skipped without CUDA."""
+    """GPU tests (marker ``gpu``) are collected everywhere and skipped without CUDA.
+
+    Under xdist (``--dist loadgroup``) each test file runs on one worker, so a module's fixtures
+    are built once; files that share a service (an ``xdist_group`` mark of their own, e.g. the
+    one SLURM) run on the same worker.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the GPU suite: pytest -m gpu on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Any:
+    """``build(folder)`` run once per test session, its result shared by every xdist worker.
+
+    Without xdist it builds into a fresh temporary folder. Under xdist the first worker to take
+    the lock builds into its own folder and, on success, pickles the result beside the workers'
+    folders; the others wait on the lock and read it (after a failure the next one tries anew).
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent
+    result_file = root / f"{name}.pickle"
+    with FileLock(str(root / f"{name}.lock")):
+        if result_file.exists():
+            return pickle.loads(result_file.read_bytes())
+        result = build(tmp_path_factory.mktemp(name))
+        result_file.write_bytes(pickle.dumps(result))
+        return result
 
 
 @pytest.fixture
@@ -61,8 +98,10 @@ def toy_world(tmp_path_factory):
     from jagg_pipeline.toyworld.build import build_toyworld
     from jagg_pipeline.toyworld.config import BuildConfig
 
-    out = tmp_path_factory.mktemp("toy-world")
-    return out, build_toyworld(out, BuildConfig(), progress=False)
+    def build(out: Path):
+        return out, build_toyworld(out, BuildConfig(), progress=False)
+
+    return built_once(tmp_path_factory, "toy-world", build)
 
 
 def toy_experiment(world, **sections):
@@ -85,16 +124,18 @@ def reduced_all(tmp_path_factory):
     """
     from workflow_helpers import REDUCED, snakemake, write_config
 
-    workdir = tmp_path_factory.mktemp("reduced-all")
-    write_config(workdir, REDUCED)
-    poison = workdir / "poisoned/mlflow/__init__.py"
-    poison.parent.mkdir(parents=True)
-    poison.write_text('raise ImportError("mlflow imported with tracking off (poisoned)")\n')
-    env = {
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(poison.parent.parent), os.environ.get("PYTHONPATH")])
-        )
-    }
-    result = snakemake(workdir, "--cores", "2", "all", "comparison", env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return workdir
+    def run(workdir: Path) -> Path:
+        write_config(workdir, REDUCED)
+        poison = workdir / "poisoned/mlflow/__init__.py"
+        poison.parent.mkdir(parents=True, exist_ok=True)
+        poison.write_text('raise ImportError("mlflow imported with tracking off (poisoned)")\n')
+        env = {
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(poison.parent.parent), os.environ.get("PYTHONPATH")])
+            )
+        }
+        result = snakemake(workdir, "--cores", "2", "all", "comparison", env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return workdir
+
+    return built_once(tmp_path_factory, "reduced-all", run)

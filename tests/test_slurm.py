@@ -36,7 +36,12 @@ CI = os.environ.get("CI", "").lower() == "true"
 # then backs off by 10 s per check while nothing finishes. Tiny jobs want the shortest wait.
 FAST_POLL = ("--slurm-init-seconds-before-status-checks", "2")
 KILL_AFTER = 900
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(KILL_AFTER + 300)]
+# One group: the tests (and their cleanup, which cancels leftover jobs) share the one cluster.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(KILL_AFTER + 300),
+    pytest.mark.xdist_group("slurm"),
+]
 
 
 def slurm_missing() -> str | None:
