@@ -176,7 +176,7 @@ def drop_page_cache(folder: Path) -> None:
 
 def base_config_data(path: Path) -> dict[str, Any]:
     """The base experiment sections of a workflow config file (``config.yaml``, a preset)."""
-    from jagg_pipeline.config.tools import read_yaml
+    from jagg_pipeline.config.yaml_io import read_yaml
     from jagg_pipeline.workflow.sections import split
 
     return split(read_yaml(path))[0]
@@ -185,7 +185,7 @@ def base_config_data(path: Path) -> dict[str, Any]:
 def config_with(base: dict[str, Any], overrides: Sequence[str]) -> Any:
     """A RunConfig of ``base`` with ``key=value`` overrides, validated."""
     from jagg_pipeline.config.run import from_mapping
-    from jagg_pipeline.config.tools import apply_overrides
+    from jagg_pipeline.config.yaml_io import apply_overrides
 
     return from_mapping(apply_overrides(base, list(overrides)))
 

@@ -365,7 +365,7 @@ def write_plan(preset: Path, rounds_per_job: int | None = None) -> dict[str, Any
     both every round; a block writes the checkpoint of its kept rounds and its last, and the
     rollout of its kept rounds.
     """
-    from jagg_pipeline.config.tools import read_yaml
+    from jagg_pipeline.config.yaml_io import read_yaml
     from jagg_pipeline.workflow.runs import blocks, kept_rounds
     from jagg_pipeline.workflow.sections import split
 

@@ -302,7 +302,7 @@ def keep_plan(config: Any, keep_every: int | None) -> dict[str, Any]:
 
 def preset_rows(folder: Path) -> list[dict[str, Any]]:
     """The project's presets as written: rollout bytes, checkpoint, kept rounds."""
-    from jagg_pipeline.config.tools import read_yaml
+    from jagg_pipeline.config.yaml_io import read_yaml
     from jagg_pipeline.workflow.sections import split
 
     rows = []

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 import yaml
 
+from jagg_pipeline.config.fields import ConfigError, digest, from_dict, to_dict
 from jagg_pipeline.config.run import (
     REWARD_NAMES,
     BackboneConfig,
@@ -20,7 +21,6 @@ from jagg_pipeline.config.run import (
     load_config,
     schema,
 )
-from jagg_pipeline.config.tools import ConfigError, digest, from_dict, to_dict
 
 
 def test_importing_the_config_imports_no_heavy_library():
@@ -266,7 +266,7 @@ def test_config_yaml_comments_are_the_help_texts():
     from pathlib import Path
 
     from jagg_pipeline.config.run import schema
-    from jagg_pipeline.config.tools import commented_yaml
+    from jagg_pipeline.config.yaml_io import commented_yaml
 
     # config.yaml's base sections are the template's, hand-wrapped and with their own values.
     template = _key_comments(commented_yaml(schema(), to_dict(RunConfig())))

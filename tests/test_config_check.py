@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from jagg_pipeline.cli import main
+from jagg_pipeline.config.fields import from_dict, to_dict
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import from_dict, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config.yaml"

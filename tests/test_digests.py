@@ -207,7 +207,7 @@ def _old_manifest(output: Path, **fields) -> None:
         if p.is_file() and p.name != "manifest.json"
     }
     config = RunConfig()
-    from jagg_pipeline.config.tools import digest
+    from jagg_pipeline.config.fields import digest
     from jagg_pipeline.io.manifest import section_digests
 
     manifest = {

@@ -28,7 +28,8 @@ import yaml
 from stage_helpers import tiny_checkpoint
 from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, write_config
 
-from jagg_pipeline.config.tools import ConfigError, read_yaml
+from jagg_pipeline.config.fields import ConfigError
+from jagg_pipeline.config.yaml_io import read_yaml
 from jagg_pipeline.workflow.experiments import resolve_runs
 from jagg_pipeline.workflow.sections import merge
 
@@ -608,8 +609,8 @@ def test_spaces_in_the_results_folder_and_the_interpreter_path_work(tmp_path):
 
 
 def test_evaluate_reads_its_prompts_before_loading_a_model(tmp_path, monkeypatch):
+    from jagg_pipeline.config.fields import from_dict
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import from_dict
     from jagg_pipeline.io.prompts import PromptFileError
     from jagg_pipeline.stages import policy
     from jagg_pipeline.stages.evaluate import run_evaluate

@@ -1,7 +1,7 @@
 import pytest
 
+from jagg_pipeline.config.fields import from_dict
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import from_dict
 from jagg_pipeline.io.manifest import (
     ManifestError,
     check_derived_from,

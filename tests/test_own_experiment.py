@@ -16,7 +16,7 @@ import yaml
 from stage_helpers import tiny_checkpoint
 from workflow_helpers import REDUCED, comparable_outputs, snakemake, write_config
 
-from jagg_pipeline.config.tools import ConfigError
+from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.io.tables import read_table
 from jagg_pipeline.stages.scoring import table_path
 from jagg_pipeline.workflow.experiments import resolve_runs
@@ -231,7 +231,7 @@ def test_an_evaluation_target_runs_and_reruns_byte_identically(tmp_path):
 def test_the_comparison_pairs_each_variant_with_the_exact_variant_set_up_alike(tmp_path):
     """In a backbone x mode cross, flux_jagg's speed-up is over flux_exact, not over sd3's
     (or a variant that happens to be called exact)."""
-    from jagg_pipeline.config.tools import to_dict
+    from jagg_pipeline.config.fields import to_dict
     from jagg_pipeline.reports.compare import exact_twins
     from jagg_pipeline.reports.summary import read_run
 

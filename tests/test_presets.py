@@ -23,7 +23,8 @@ from reward_models import tiny_models
 from stage_helpers import EVAL_PROMPTS, tiny_checkpoint, write_prompts
 
 from jagg_pipeline.config import run as config_module
-from jagg_pipeline.config.tools import read_yaml, to_dict
+from jagg_pipeline.config.fields import to_dict
+from jagg_pipeline.config.yaml_io import read_yaml
 from jagg_pipeline.toyworld.tiny import TINY_IMAGE_SIZE
 from jagg_pipeline.workflow.checks import check_runs
 from jagg_pipeline.workflow.experiments import resolve_runs

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from reward_models import COLOURS, OPEN_CLIP_CONFIG, caption, colour_images, tiny_models
 
-from jagg_pipeline.config.tools import to_dict
+from jagg_pipeline.config.fields import to_dict
 from jagg_pipeline.core.grpo import group_advantages
 from jagg_pipeline.rewards import (
     REWARDS,

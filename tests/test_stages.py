@@ -14,7 +14,7 @@ import yaml
 from stage_helpers import tiny_checkpoint, write_experiment, write_prompts
 
 from jagg_pipeline.cli import main
-from jagg_pipeline.config.tools import digest, from_dict
+from jagg_pipeline.config.fields import digest, from_dict
 from jagg_pipeline.core.grpo import group_advantages
 from jagg_pipeline.core.objective import recompute_log_probs
 from jagg_pipeline.io.manifest import (

@@ -50,8 +50,8 @@ def test_committed_schema_is_the_packages():
 
 def test_config_yaml_sets_every_key_with_a_comment():
     """config.yaml spells out every key of the base sections, each with a comment above it."""
+    from jagg_pipeline.config.fields import to_dict
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import to_dict
 
     text = (ROOT / "config.yaml").read_text()
     data = yaml.safe_load(text)
@@ -185,8 +185,8 @@ def _conditioning_of(command: str) -> str | None:
 
 
 def test_a_pool_is_named_by_its_prompts_and_the_text_keys_only():
+    from jagg_pipeline.config.fields import ConfigError
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import ConfigError
     from jagg_pipeline.workflow.names import check_target_name
     from jagg_pipeline.workflow.pools import pool_key
 

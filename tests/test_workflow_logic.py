@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from jagg_pipeline.config.fields import ConfigError, from_dict
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import ConfigError, from_dict
 from jagg_pipeline.workflow import layout, resources
 from jagg_pipeline.workflow.experiments import resolve_runs
 from jagg_pipeline.workflow.names import check_target_name, workflow_rules

@@ -78,7 +78,7 @@ def write_config(config: Any, path: Path) -> Path:
     """``config`` as a YAML file for the command line."""
     import yaml
 
-    from jagg_pipeline.config.tools import to_dict
+    from jagg_pipeline.config.fields import to_dict
 
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return path

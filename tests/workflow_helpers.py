@@ -108,8 +108,8 @@ def synthetic_run(
     rollout, score and train records, each evaluation's metrics and grid; values move with
     the round and ``shift``. For the tests of what reads runs back (summary, track, compare).
     """
+    from jagg_pipeline.config.fields import from_dict, to_dict
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import from_dict, to_dict
     from jagg_pipeline.io.artifacts import evaluated_rounds
 
     config = to_dict(RunConfig())

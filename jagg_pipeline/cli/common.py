@@ -112,11 +112,12 @@ def read_run_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     a file with a top-level ``workflow`` section has that section checked (unknown keys and
     wrong types are errors, as everywhere) and then set aside, and the rest, the base
     experiment, is the config. ``--set`` overrides apply to the base experiment. Raises
-    :class:`~jagg_pipeline.config.tools.ConfigError` naming the file (or the override) and the
+    :class:`~jagg_pipeline.config.fields.ConfigError` naming the file (or the override) and the
     dotted key.
     """
+    from jagg_pipeline.config.fields import ConfigError
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import ConfigError, load_data, read_yaml
+    from jagg_pipeline.config.yaml_io import load_data, read_yaml
     from jagg_pipeline.workflow.names import WORKFLOW_KEY
     from jagg_pipeline.workflow.sections import split
 

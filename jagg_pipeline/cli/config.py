@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jagg_pipeline.config.tools import ConfigError
+    from jagg_pipeline.config.fields import ConfigError
     from jagg_pipeline.io.artifacts import atomic_write_text
 
     if args.what == "check":
@@ -85,8 +85,9 @@ def _render(args: argparse.Namespace) -> str:
     import yaml
 
     from jagg_pipeline.cli.common import read_run_config
+    from jagg_pipeline.config.fields import to_dict
     from jagg_pipeline.config.run import RunConfig, from_mapping, schema
-    from jagg_pipeline.config.tools import apply_overrides, commented_yaml, to_dict
+    from jagg_pipeline.config.yaml_io import apply_overrides, commented_yaml
     from jagg_pipeline.workflow.sections import workflow_schema
 
     if args.what == "schema":
@@ -118,15 +119,10 @@ def check_config(path: Path, overrides: Sequence[str] = ()) -> tuple[list[str], 
     (:func:`~jagg_pipeline.workflow.checks.check_runs`). A file without a ``workflow``
     section is a run config and checked as the base.
     """
+    from jagg_pipeline.config.fields import ConfigError, from_dict
     from jagg_pipeline.config.run import RunConfig, schema
-    from jagg_pipeline.config.tools import (
-        ConfigError,
-        apply_overrides,
-        duplicate_keys,
-        from_dict,
-        read_yaml,
-        schema_errors,
-    )
+    from jagg_pipeline.config.schema import schema_errors
+    from jagg_pipeline.config.yaml_io import apply_overrides, duplicate_keys, read_yaml
     from jagg_pipeline.workflow.checks import check_runs
     from jagg_pipeline.workflow.experiments import resolve_runs
     from jagg_pipeline.workflow.names import WORKFLOW_KEY
@@ -225,7 +221,7 @@ def _override_errors(where: str, kind: str, target: dict, base: dict) -> list[tu
     ``variants``, ``cross`` entries and sweep values, an evaluation's ``overrides``,
     ``policies`` (less their ``checkpoint``) and ``prompts`` (overrides of ``eval``).
     """
-    from jagg_pipeline.config.tools import schema_errors
+    from jagg_pipeline.config.schema import schema_errors
 
     def named(group: object, where: str) -> list[tuple[str, object]]:
         if not isinstance(group, dict):
@@ -286,7 +282,7 @@ def _target_errors(
     """
     import copy
 
-    from jagg_pipeline.config.tools import ConfigError
+    from jagg_pipeline.config.fields import ConfigError
     from jagg_pipeline.workflow.names import WORKFLOW_KEY
 
     def first_error(trimmed: object) -> str | None:

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.config is None:
         from jagg_pipeline.config.run import RunConfig
-        from jagg_pipeline.config.tools import load_data
+        from jagg_pipeline.config.yaml_io import load_data
 
         with stage_errors():
             config = load_data(RunConfig, {}, "the package defaults", args.overrides)

@@ -20,15 +20,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
-from jagg_pipeline.config.tools import (
-    ConfigError,
-    check_bounds,
-    digest,
-    field,
-    from_dict,
-    json_schema,
-)
-from jagg_pipeline.config.tools import load_yaml as _load_yaml
+from jagg_pipeline.config.fields import ConfigError, check_bounds, digest, field, from_dict
+from jagg_pipeline.config.schema import json_schema
+from jagg_pipeline.config.yaml_io import load_yaml as _load_yaml
 from jagg_pipeline.core.options import (
     Anchors,
     EndpointBackward,

@@ -4,7 +4,7 @@ A value that exists on disk is used as is. A value shaped like a hub id (``owner
 ``owner/name/file`` for a single file) is fetched through the Hugging Face cache; with
 ``HF_HUB_OFFLINE=1`` that only looks in the local cache, so a missing model fails at once.
 Anything else is a missing local path. Every failure raises the caller's error type (a
-:class:`~jagg_pipeline.config.tools.ConfigError`) naming the config key to set, with the
+:class:`~jagg_pipeline.config.fields.ConfigError`) naming the config key to set, with the
 underlying error chained for the details. Backbones and rewards both resolve through here.
 A pipeline folder's ``model_index.json`` is checked against the backbone family here too,
 without torch, so the workflow refuses a bad ``backbone.path`` while it is parsed.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from jagg_pipeline.config.tools import ConfigError
+from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.support.errors import shown
 
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jagg_pipeline import __version__
-from jagg_pipeline.config.tools import digest, to_dict
+from jagg_pipeline.config.fields import digest, to_dict
 from jagg_pipeline.io.artifacts import (
     DIGEST_ALGORITHM,
     DIGEST_ALGORITHMS,

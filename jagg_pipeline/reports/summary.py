@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from jagg_pipeline.config.tools import digest
+from jagg_pipeline.config.fields import digest
 from jagg_pipeline.io.artifacts import (
     EVALUATION_FOLDER,
     METRICS_NAME,
@@ -119,8 +119,8 @@ def _expected(directory: Path, config: Mapping[str, Any]) -> tuple[list[int], li
     if not config or not (rounds or any(n > 0 for n in evaluations)):
         return rounds, evaluations
     # Imported here: the config dataclasses are needed only for a training run's shape.
+    from jagg_pipeline.config.fields import from_dict
     from jagg_pipeline.config.run import RunConfig
-    from jagg_pipeline.config.tools import from_dict
 
     resolved = from_dict(RunConfig, config, source=str(directory / "config.yaml"))
     rounds = resolved.train.rounds

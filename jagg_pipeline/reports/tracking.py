@@ -35,8 +35,8 @@ from typing import Any
 import yaml
 
 from jagg_pipeline import __version__
+from jagg_pipeline.config.fields import digest
 from jagg_pipeline.config.run import TrackingConfig
-from jagg_pipeline.config.tools import digest
 from jagg_pipeline.io.artifacts import atomic_write_json, evaluation_name
 from jagg_pipeline.reports.summary import RunMetrics, read_run
 from jagg_pipeline.reports.tracker import (
@@ -224,7 +224,7 @@ def run_metrics(run: TrackedRun) -> RunMetrics:
 
 def tracking_of(directories: Sequence[str | Path]) -> TrackingConfig:
     """The one ``tracking`` section of the runs in ``directories`` (they must agree)."""
-    from jagg_pipeline.config.tools import ConfigError, from_dict
+    from jagg_pipeline.config.fields import ConfigError, from_dict
 
     sections = {json.dumps(_run_config(d).get("tracking") or {}) for d in directories}
     if len(sections) != 1:

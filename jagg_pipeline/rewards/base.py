@@ -19,8 +19,8 @@ from typing import Any, Protocol, get_args
 
 import torch
 
+from jagg_pipeline.config.fields import ConfigError, from_dict
 from jagg_pipeline.config.run import RewardDtype
-from jagg_pipeline.config.tools import ConfigError, from_dict
 
 # The dtype names a spec accepts (config.RewardDtype, checked to agree) and their torch dtypes.
 DTYPES: dict[str, torch.dtype] = {

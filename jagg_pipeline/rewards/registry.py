@@ -30,8 +30,8 @@ from typing import Any, get_type_hints
 
 import torch
 
+from jagg_pipeline.config.fields import ConfigError, check_bounds, from_dict
 from jagg_pipeline.config.run import REWARD_NAMES, RewardsConfig
-from jagg_pipeline.config.tools import ConfigError, check_bounds, from_dict
 from jagg_pipeline.rewards import (
     clipscore,
     hpsv21,

@@ -360,7 +360,7 @@ def run_block(
     """
     clock = StageClock.start()
     from jagg_pipeline import __version__
-    from jagg_pipeline.config.tools import digest, to_dict
+    from jagg_pipeline.config.fields import digest, to_dict
     from jagg_pipeline.io.prompts import resolve_prompts
     from jagg_pipeline.stages.distributed import barrier, broadcast_object, distributed
     from jagg_pipeline.stages.encode import open_pool

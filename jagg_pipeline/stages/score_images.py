@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from jagg_pipeline import __version__
-from jagg_pipeline.config.tools import apply_overrides, read_yaml, to_dict
+from jagg_pipeline.config.fields import to_dict
+from jagg_pipeline.config.yaml_io import apply_overrides, read_yaml
 from jagg_pipeline.io.artifacts import atomic_write_json
 from jagg_pipeline.io.manifest import file_sha256, manifest_path
 from jagg_pipeline.io.prompts import column_values, load_prompts, read_table

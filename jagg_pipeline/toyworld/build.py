@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from jagg_pipeline.backbones import BackboneConfig, backbone_class
 from jagg_pipeline.backbones.base import Backbone
-from jagg_pipeline.config.tools import digest
+from jagg_pipeline.config.fields import digest
 from jagg_pipeline.core import sde
 from jagg_pipeline.io.artifacts import atomic_directory, atomic_write_json
 from jagg_pipeline.io.figures import save_curves, save_image_grid

@@ -31,9 +31,9 @@ from functools import partial
 from pathlib import Path
 
 from jagg_pipeline.config.checkpoints import TRANSFORMER_CONFIG, option_problems
+from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.config.run import BackboneConfig, RewardsConfig, RunConfig
 from jagg_pipeline.config.sources import HUB_REPO, check_pipeline_dir, local_or_hub
-from jagg_pipeline.config.tools import ConfigError
 from jagg_pipeline.io.artifacts import ROUND_FOLDER
 from jagg_pipeline.io.prompts import PromptFileError, check_prompts, prompt_place
 from jagg_pipeline.rewards.toy_scene import ALL_ATTRIBUTES, parse_caption

@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jagg_pipeline.config.fields import ConfigError, digest, from_dict
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import ConfigError, digest, from_dict
 from jagg_pipeline.support.errors import shown
 from jagg_pipeline.workflow.layout import run_directory
 from jagg_pipeline.workflow.names import WORKFLOW_KEY, check_name, check_target_name

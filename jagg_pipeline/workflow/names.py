@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from jagg_pipeline.config.tools import ConfigError
+from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.support.errors import shown
 from jagg_pipeline.workflow.layout import COMPARISON, CONDITIONING
 

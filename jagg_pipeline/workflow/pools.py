@@ -13,8 +13,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from jagg_pipeline.config.fields import digest
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import digest
 from jagg_pipeline.io.manifest import stage_values
 from jagg_pipeline.workflow.layout import toyworld_inputs
 from jagg_pipeline.workflow.runs import Run

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, get_type_hints
 
+from jagg_pipeline.config.fields import ConfigError, field, from_dict
 from jagg_pipeline.config.run import RunConfig
-from jagg_pipeline.config.tools import SCHEMA_DIALECT, ConfigError, field, from_dict, json_schema
+from jagg_pipeline.config.schema import SCHEMA_DIALECT, json_schema
 from jagg_pipeline.support.errors import shown
 from jagg_pipeline.workflow.names import WORKFLOW_KEY
 

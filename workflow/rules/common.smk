@@ -10,13 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from jagg_pipeline.config.tools import (
-    ConfigError,
-    apply_overrides,
-    digest,
-    read_yaml,
-    to_dict,
-)
+from jagg_pipeline.config.fields import ConfigError, digest, to_dict
+from jagg_pipeline.config.yaml_io import apply_overrides, read_yaml
 from jagg_pipeline.io.artifacts import (
     EVALUATION_PREFIX,
     ROUND_STAGES,

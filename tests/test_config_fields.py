@@ -5,17 +5,9 @@ from typing import Literal
 import jsonschema
 import pytest
 
-from jagg_pipeline.config.tools import (
-    ConfigError,
-    apply_overrides,
-    check_bounds,
-    digest,
-    field,
-    from_dict,
-    json_schema,
-    load_yaml,
-    to_dict,
-)
+from jagg_pipeline.config.fields import ConfigError, check_bounds, digest, field, from_dict, to_dict
+from jagg_pipeline.config.schema import json_schema
+from jagg_pipeline.config.yaml_io import apply_overrides, load_yaml
 
 
 @dataclasses.dataclass
