@@ -21,9 +21,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jagg_pipeline.cli.common import add_config_arguments
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 # The one-line summary in `python -m jagg_pipeline --help` (no import needed to show it).
 HELP = "load the config's reward models (nothing scored) to check their files"
@@ -114,12 +117,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def _config_rewards(config: Any) -> list[str]:
+def _config_rewards(config: RunConfig) -> list[str]:
     """The rewards a config uses: the ``rewards.weights`` keys, then ``eval.metrics``."""
     return list(dict.fromkeys([*config.rewards.weights, *config.eval.metrics]))
 
 
-def _device(requested: str | None, config: Any) -> tuple[str, str]:
+def _device(requested: str | None, config: RunConfig) -> tuple[str, str]:
     """The reward models' device and the setting it came from (for errors)."""
     if requested:
         return requested, "--device"

@@ -30,7 +30,7 @@ import struct
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from jagg_pipeline.io.manifest import (
     manifest_path,
 )
 from jagg_pipeline.support.errors import InputError, shown
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 STAGE = "encode"
 CONDITIONING_FILE = "conditioning.safetensors"
@@ -65,7 +68,7 @@ class ConditioningError(InputError):
     """A ``--conditioning`` folder does not hold what the stage needs."""
 
 
-def text_keys(config: Any) -> dict[str, Any]:
+def text_keys(config: RunConfig) -> dict[str, Any]:
     """The config keys a pool's conditioning depends on, by dotted name, with their values.
 
     Those of :data:`~jagg_pipeline.io.manifest.STAGE_SECTIONS` ``["encode"]``: the checkpoint
@@ -277,7 +280,7 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def open_conditioning(directory: str | Path, config: Any) -> PoolConditioning:
+def open_conditioning(directory: str | Path, config: RunConfig) -> PoolConditioning:
     """The pool conditioning in ``directory``, once it is shown to fit ``config``.
 
     Refused (naming the file): anything but a finished ``encode`` output, a file whose bytes

@@ -27,7 +27,7 @@ import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jagg_pipeline import __version__
 from jagg_pipeline.config.fields import digest, to_dict
@@ -47,6 +47,9 @@ from jagg_pipeline.io.artifacts import (
 )
 from jagg_pipeline.io.shards import METADATA_FILE
 from jagg_pipeline.support.errors import InputError
+
+if TYPE_CHECKING:
+    from jagg_pipeline.config.run import RunConfig
 
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.yaml"
@@ -121,7 +124,7 @@ def _select(data: Mapping[str, Any], dotted: str) -> Any:
     return data
 
 
-def _rewards_read(config: Any, stage: str) -> dict[str, Any]:
+def _rewards_read(config: RunConfig, stage: str) -> dict[str, Any]:
     """What ``stage`` reads of the rewards section: the device and the models it runs."""
     rewards = config.rewards
     if stage == "evaluate":
@@ -132,7 +135,7 @@ def _rewards_read(config: Any, stage: str) -> dict[str, Any]:
     return {"device": rewards.device, **options, **{n: to_dict(rewards.spec(n)) for n in names}}
 
 
-def stage_values(config: Any, stage: str, round_index: int | None = None) -> dict[str, Any]:
+def stage_values(config: RunConfig, stage: str, round_index: int | None = None) -> dict[str, Any]:
     """The values ``stage`` reads of a run config (:data:`STAGE_SECTIONS`), as data.
 
     Keyed by section or dotted key, without :data:`UNREAD_KEYS`; ``rewards`` as the models the
@@ -154,12 +157,12 @@ def stage_values(config: Any, stage: str, round_index: int | None = None) -> dic
     return values
 
 
-def stage_digest(config: Any, stage: str, round_index: int | None = None) -> str:
+def stage_digest(config: RunConfig, stage: str, round_index: int | None = None) -> str:
     """Digest of exactly the values ``stage`` reads (:func:`stage_values`)."""
     return digest(stage_values(config, stage, round_index))
 
 
-def read_digests(config: Any, stage: str, round_index: int | None = None) -> dict[str, str]:
+def read_digests(config: RunConfig, stage: str, round_index: int | None = None) -> dict[str, str]:
     """Digest of each value ``stage`` reads (:func:`stage_values`), by section or key."""
     return {key: digest(value) for key, value in stage_values(config, stage, round_index).items()}
 
@@ -419,12 +422,12 @@ def verify_files(
             )
 
 
-def section_digests(config: Any) -> dict[str, str]:
+def section_digests(config: RunConfig) -> dict[str, str]:
     """Digest of each top-level section of a config dataclass."""
     return {f.name: digest(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
-def _reads_entry(stage: str, config: Any, seeds: Mapping[str, Any]) -> dict[str, Any]:
+def _reads_entry(stage: str, config: RunConfig, seeds: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest's ``{"reads": {key: digest}}`` (:func:`read_digests`).
 
     For a stage of :data:`STAGE_SECTIONS`; a training round's from its ``round`` seed (weights
@@ -439,7 +442,7 @@ def write_manifest(
     output: str | Path,
     *,
     stage: str,
-    config: Any,
+    config: RunConfig,
     seeds: Mapping[str, Any] | None = None,
     inputs: Mapping[str, str | Path] | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -485,7 +488,7 @@ def read_manifest(output: str | Path) -> dict[str, Any]:
 
 
 def check_made(
-    path: str | Path, *, stage: str | Iterable[str], config: Any, sections: Iterable[str] = ()
+    path: str | Path, *, stage: str | Iterable[str], config: RunConfig, sections: Iterable[str] = ()
 ) -> dict[str, Any]:
     """The manifest of ``path``, refused unless a ``stage`` output made under ``sections``.
 
@@ -522,7 +525,7 @@ def check_input(
     path: str | Path,
     *,
     stage: str | Iterable[str],
-    config: Any,
+    config: RunConfig,
     sections: Iterable[str] = (),
 ) -> dict[str, Any]:
     """:func:`check_made`, then every data file verified against its recorded digest.
@@ -573,7 +576,7 @@ def begin_output(output: str | Path, stale: Sequence[str] = ()) -> None:
 
 def finish_output(
     output: str | Path,
-    config: Any,
+    config: RunConfig,
     *,
     stage: str,
     seeds: Mapping[str, Any] | None = None,

@@ -65,7 +65,7 @@ from jagg_pipeline.support.startup import StageClock
 from jagg_pipeline.support.timing import ForwardClock
 
 if TYPE_CHECKING:
-    from jagg_pipeline.config.run import RunConfig
+    from jagg_pipeline.config.run import JaggConfig, RunConfig
 
 _TABLE_COLUMNS = ("sample", "prompt_id", "group", "total", "advantage")
 
@@ -307,7 +307,7 @@ class Routing:
 
 
 def decide_routing(
-    jagg_config: Any,
+    jagg_config: JaggConfig,
     num_windows: int,
     round_index: int,
     previous: Routing | None,
