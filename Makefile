@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RESULTS := results
 
-.PHONY: run test lint format clean slurm-profile lock
+.PHONY: run test lint format clean slurm-profile lock images
 
 $(STAMP): pyproject.toml requirements.lock requirements-hpsv2.lock envs/install.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,16 @@ slurm-profile:
 	    -e 's|^  slurm_partition: .*|  slurm_partition: "$(SLURM_PARTITION)"|' \
 	    workflow/profiles/slurm/config.yaml > $(SLURM_PROFILE)/config.yaml
 	@echo "installed $(SLURM_PROFILE)/config.yaml (account '$(SLURM_ACCOUNT)', partition '$(SLURM_PARTITION)')"
+
+# The Apptainer images of the stages and the comparison (containers/build.sh: a Debian 12 base,
+# the locks' files from PyPI, then containers/pipeline.def and summary.def), as root with
+# debootstrap (and bubblewrap where no apptainer is installed); cached in
+# ~/.cache/jagg-pipeline/images by the digest of the locks and containers/. Prints each image's
+# path and size; point workflow.containers at them.
+#   make images            pipeline.sif and summary.sif, to copy to a cluster
+#   make images SANDBOX=1  folders instead (no squashfs pass: what the tests use)
+images:
+	containers/build.sh $(if $(SANDBOX),--sandbox)
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
 # The suite runs on every core (pytest-xdist), a test file per worker at a time, files that

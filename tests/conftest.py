@@ -9,6 +9,8 @@ for all workers (``built_once``), not once per worker.
 
 import os
 import pickle
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,3 +141,49 @@ def reduced_all(tmp_path_factory):
         return workdir
 
     return built_once(tmp_path_factory, "reduced-all", run)
+
+
+CI = os.environ.get("CI", "").lower() == "true"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def images_missing() -> str | None:
+    """Why containers/build.sh cannot build the images here, or None when it can: its Debian
+    base needs root and debootstrap, and without an apptainer on PATH, bubblewrap."""
+    if os.geteuid() != 0:
+        return "the images' Debian base is made with debootstrap, as root"
+    if shutil.which("debootstrap") is None:
+        return "no debootstrap (apt-get install debootstrap)"
+    if shutil.which("apptainer") is None and shutil.which("bwrap") is None:
+        return "no apptainer, and no bubblewrap to run Debian sid's (apt-get install bubblewrap)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory):
+    """The sandbox images of containers/build.sh --sandbox ({"pipeline": folder, "summary":
+    folder, "PATH": a PATH with its apptainer first}), built once per machine and cache
+    (~/.cache/jagg-pipeline/images: minutes from scratch, nothing when the lock and
+    containers/ are unchanged). Skips where they cannot be built, unless CI=true: then fails.
+    """
+    missing = images_missing()
+    if missing:
+        if CI:
+            pytest.fail(f"CI=true and the images cannot be built: {missing}")
+        pytest.skip(missing)
+
+    def build(_: Path) -> dict[str, str]:
+        # Lowest priority: the other worker's tests keep their core.
+        result = subprocess.run(
+            ["nice", "-n", "19", str(ROOT / "containers/build.sh"), "--sandbox"],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        print(result.stdout)
+        folder = Path(result.stdout.split()[-1])
+        cache = folder.parent
+        path = os.pathsep.join([str(cache / "bin"), os.environ["PATH"]])
+        return {name: str(folder / name) for name in ("pipeline", "summary")} | {"PATH": path}
+
+    return built_once(tmp_path_factory, "images", build)

@@ -5,7 +5,9 @@ brings up (.ci/run does). Without a cluster these tests skip, unless CI=true: th
 - the reduced `all` runs through sbatch to completion and its outputs equal the local run's;
 - its rounds as blocks (workflow.rounds_per_job 2): one allocation per run, the same outputs;
 - a job that fails under SLURM is reported failed and snakemake exits non-zero, in bounded time;
-- `scancel` of a running training job, then a rerun: the checkpoint of an uninterrupted run.
+- `scancel` of a running training job, then a rerun: the checkpoint of an uninterrupted run;
+- under `--sdm apptainer` each job runs in its rule's image (conftest.py's ``images``), with
+  the same outputs as the local venv run.
 
 Snakemake runs under `timeout -s KILL` (a status query that never answers would
 hang it, deaf to SIGTERM); the jobs a test leaves behind are cancelled when the module ends.
@@ -27,6 +29,7 @@ from workflow_helpers import (
     SNAKEMAKE,
     blocks_workdir,
     comparable_outputs,
+    containers_config,
     without_blocks,
     write_config,
 )
@@ -224,3 +227,18 @@ def test_scancel_of_a_training_job_then_a_rerun_gives_the_uninterrupted_checkpoi
     resumed = on_slurm(workdir, slurm_env, checkpoint)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_checkpoint(workdir / checkpoint, reduced_all / checkpoint)
+
+
+@pytest.mark.timeout(5400)  # the images' first build on a new machine comes first
+def test_reduced_all_on_slurm_in_the_images_equals_the_local_venv_run(
+    slurm_env, images, reduced_all, tmp_path
+):
+    write_config(tmp_path, containers_config(images))
+    env = {**slurm_env, "PATH": images["PATH"]}
+    result = on_slurm(tmp_path, env, "all", "comparison", "--sdm", "apptainer")
+    assert result.returncode == 0, result.stderr[-4000:]
+    jobs = jobs_in(tmp_path)
+    assert jobs and {job["state"] for job in jobs} == {"COMPLETED"}, jobs
+    ours, local = comparable_outputs(tmp_path), comparable_outputs(reduced_all)
+    assert ours.keys() == local.keys()
+    assert [name for name in ours if ours[name] != local[name]] == []

@@ -40,6 +40,15 @@ REDUCED = {
 }
 
 
+def containers_config(images: dict[str, str]) -> dict:
+    """REDUCED with the workflow's images set to conftest.py's ``images``."""
+    workflow = {
+        **REDUCED["workflow"],
+        "containers": {"pipeline": images["pipeline"], "summary": images["summary"]},
+    }
+    return {**REDUCED, "workflow": workflow}
+
+
 def snakemake(
     workdir: Path, *args: str, timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:

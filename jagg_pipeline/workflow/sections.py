@@ -103,13 +103,14 @@ class ContainersConfig:
 
     pipeline: str = field(
         "containers/pipeline.sif",
-        help="the stages' image (toyworld, rollout, score, train, evaluate): "
-        "apptainer build containers/pipeline.sif containers/pipeline.def",
+        help="the stages' image (toyworld, rollout, encode, score, train, evaluate, bench), "
+        "for --sdm apptainer: `make images` builds it and links it here; a .sif, a sandbox "
+        "folder or a docker:// address",
     )
     summary: str = field(
         "containers/summary.sif",
-        help="the comparison's image (summary, track, compare), torch-free: "
-        "apptainer build containers/summary.sif containers/summary.def",
+        help="the comparison's image (summary, track, compare), torch-free: `make images` "
+        "builds it and links it here",
     )
 
 

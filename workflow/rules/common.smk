@@ -19,7 +19,7 @@ from jagg_pipeline.io.artifacts import (
 )
 from jagg_pipeline.io.manifest import stage_digest
 from jagg_pipeline.toyworld.config import TOY_FAMILIES
-from jagg_pipeline.workflow import layout, resources
+from jagg_pipeline.workflow import containers, layout, resources
 from jagg_pipeline.workflow.checks import check_runs
 from jagg_pipeline.workflow.experiments import resolve_runs
 from jagg_pipeline.workflow.pools import shared_pools
@@ -307,6 +307,11 @@ IN_APPTAINER = any(
     method.name == "APPTAINER"
     for method in workflow.deployment_settings.deployment_method
 )
+# The images hold the dependencies, not the package: a job imports it from this checkout.
+if IN_APPTAINER:
+    os.environ.update(
+        containers.apptainer_environ(containers.package_root(), os.environ)
+    )
 
 
 def _ranks_resource(name):
