@@ -140,6 +140,11 @@ for lock in "${locks[@]}"; do
         --requirement "$repo/$lock"
     touch "$stamp"
 done
+# pip builds the locks' one source distribution (connection-pool, a setup.py project) in an
+# isolated environment that asks for setuptools and wheel: with no index in the image, they
+# must be here (the venv's install takes the same from PyPI).
+[[ -n "$(compgen -G "$wheels/wheel-*.whl")" && -n "$(compgen -G "$wheels/setuptools-*.whl")" ]] \
+    || python3 -m pip download --quiet --only-binary :all: --dest "$wheels" setuptools wheel
 
 # 4. images. <digest> covers what goes into them: the recipes, the installer, the locks.
 content="$(cd "$repo" && cat containers/*.def containers/*.Dockerfile containers/build.sh \
