@@ -33,11 +33,16 @@ def pytest_collection_modifyitems(config, items):
 
     Under xdist (``--dist loadgroup``) each test file runs on one worker, so a module's fixtures
     are built once; files that share a service (an ``xdist_group`` mark of their own, e.g. the
-    one SLURM) run on the same worker.
+    one SLURM) run on the same worker. The tests that use the images run last.
     """
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+            # The image tests in a group of their own, so that they can run last (below).
+            group = "images" if "images" in item.fixturenames else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
+    # Last, the tests that run in the images: CI builds them beside the tests, and a worker
+    # that asked for them early would wait minutes, idle, for that build.
+    items.sort(key=lambda item: "images" in item.fixturenames)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the GPU suite: pytest -m gpu on a GPU machine)")
