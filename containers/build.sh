@@ -58,16 +58,18 @@ flock 9
 
 # 1. apptainer
 if ! command -v apptainer >/dev/null || [[ "$(command -v apptainer)" == "$images/bin/apptainer" ]]; then
-    sid="$images/tools/apptainer-sid"
+    # squashfuse and fuse3: apptainer mounts a .sif through FUSE (without them it unpacks the
+    # whole image into a temporary folder at every exec).
+    sid_packages="apptainer,squashfs-tools,squashfuse,fuse3"
+    sid="$images/tools/apptainer-sid-$(echo "$sid_packages" | digest)"
     if [[ ! -x "$sid/usr/bin/apptainer" ]]; then
         need debootstrap "apt-get install debootstrap (Debian/Ubuntu), or install Apptainer"
         need bwrap "apt-get install bubblewrap, or install Apptainer"
         say "no apptainer on PATH: Debian sid's, into $sid"
         rm -rf "$sid.partial"
         mkdir -p "$images/tools"
-        debootstrap --variant=minbase --include=apptainer,squashfs-tools sid "$sid.partial" \
-            "$mirror" >"$images/tools/apptainer-sid.log" 2>&1 \
-            || { say "debootstrap failed: see $images/tools/apptainer-sid.log"; exit 1; }
+        debootstrap --variant=minbase --include="$sid_packages" sid "$sid.partial" "$mirror" \
+            >"$sid.log" 2>&1 || { say "debootstrap failed: see $sid.log"; exit 1; }
         finish "$sid"
     fi
     mkdir -p "$images/bin"
@@ -153,13 +155,14 @@ out="$images/$content"
 mkdir -p "$out"
 pip_offline=(PIP_NO_INDEX=1 PIP_FIND_LINKS=/mnt)
 
+# The builders run where `set -e` does not hold (a `||` list): each step returns on failure.
 # containers/TARGET.def -> $out/TARGET (--sandbox) or $out/TARGET.sif
 build_apptainer() {
     local image="$1" target="$2" flags=(--build-arg "BASE=$base")
     flags+=(--build-arg "PIP_SETTINGS=PIP_NO_CACHE_DIR=1 ${pip_offline[*]}")
     [[ $sandbox == 1 ]] && flags+=(--sandbox)
     (cd "$repo" && apptainer build --force "${flags[@]}" --bind "$wheels:/mnt" \
-        "$image.partial" "containers/$target.def")
+        "$image.partial" "containers/$target.def") || return
     finish "$image"
 }
 
@@ -169,18 +172,20 @@ buildah_store=(--storage-driver vfs --root "$images/buildah/root" --runroot "$im
 build_docker() {
     local image="$1" target="$2" tag="localhost/jagg-base:${base##*-}" container
     if ! buildah "${buildah_store[@]}" inspect --type image "$tag" >/dev/null 2>&1; then
-        tar -C "$base" -cf "$images/buildah/base.tar" .
-        container="$(buildah "${buildah_store[@]}" from scratch)"
-        buildah "${buildah_store[@]}" add "$container" "$images/buildah/base.tar" /
-        buildah "${buildah_store[@]}" commit --rm "$container" "$tag"
+        tar -C "$base" -cf "$images/buildah/base.tar" . || return
+        container="$(buildah "${buildah_store[@]}" from scratch)" || return
+        buildah "${buildah_store[@]}" add "$container" "$images/buildah/base.tar" / || return
+        buildah "${buildah_store[@]}" commit --rm "$container" "$tag" || return
         rm "$images/buildah/base.tar"
     fi
     local flags=(--build-arg "BASE=$tag")
     for setting in "${pip_offline[@]}"; do flags+=(--build-arg "$setting"); done
     (cd "$repo" && buildah "${buildah_store[@]}" build --isolation chroot "${flags[@]}" \
         --volume "$wheels:/mnt:ro" --file "containers/$target.Dockerfile" \
-        --tag "jagg-$target:$content" .)
-    buildah "${buildah_store[@]}" images --format '{{.Size}}' "jagg-$target:$content" >"$image"
+        --tag "jagg-$target:$content" .) || return
+    buildah "${buildah_store[@]}" images --format '{{.Size}}' "jagg-$target:$content" \
+        >"$image.partial" || return
+    finish "$image"
 }
 
 for target in "${targets[@]}"; do
