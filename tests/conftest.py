@@ -26,29 +26,74 @@ torch.set_num_threads(int(os.environ.get("JAGG_TEST_THREADS", "1")))
 pytest_plugins = ["train_helpers"]
 
 
+# The groups that take minutes, longest first (results/ci-junit.xml of a CI run): started
+# first, they do not end the run with one worker busy and the other idle. The SLURM group sits
+# later so that its image test finds CI's background image build done.
+LONGEST_FIRST = (
+    "test_block",
+    "test_world_size",
+    "toy-world",
+    "test_retention_losses",
+    "test_retention",
+    "slurm",
+    "test_tracking",
+    "test_distributed",
+    "test_sharded_policy",
+    "test_hostile_config",
+)
+
+
+def _group(item: pytest.Item, toy_world_files: set[Path]) -> str:
+    if "images" in item.fixturenames:
+        return "images"
+    # One worker builds the default toy world (minutes) for every file that uses it.
+    return "toy-world" if item.path in toy_world_files else item.path.stem
+
+
 # tryfirst: xdist's own hook reads the xdist_group marks added here.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """GPU tests (marker ``gpu``) are collected everywhere and skipped without CUDA.
 
     Under xdist (``--dist loadgroup``) each test file runs on one worker, so a module's fixtures
-    are built once; files that share a service (an ``xdist_group`` mark of their own, e.g. the
-    one SLURM) run on the same worker. The tests that use the images run last.
+    are built once; files that share a service or an expensive session fixture (an
+    ``xdist_group`` of their own, e.g. the one SLURM, the default toy world) run on the same
+    worker. The longest groups start first; the tests that use the images run last.
     """
+    toy_world_files = {item.path for item in items if "toy_world" in item.fixturenames}
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            # The image tests in a group of their own, so that they can run last (below).
-            group = "images" if "images" in item.fixturenames else item.path.stem
-            item.add_marker(pytest.mark.xdist_group(group))
-    # Last, the tests that run in the images: CI builds them beside the tests, and a worker
-    # that asked for them early would wait minutes, idle, for that build.
-    items.sort(key=lambda item: "images" in item.fixturenames)
+            item.add_marker(pytest.mark.xdist_group(_group(item, toy_world_files)))
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        group = item.get_closest_marker("xdist_group").args[0]
+        rank = LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+        # Last, the tests that run in the images: CI builds them beside the tests, and a worker
+        # that asked for them early would wait minutes, idle, for that build.
+        return "images" in item.fixturenames, rank
+
+    items.sort(key=order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (the GPU suite: pytest -m gpu on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Stop a run whose tests lost their group: it would still pass, with each file's module
+    fixtures built once per worker (minutes each) and services shared by accident."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [nodeid for nodeid in ids if "@" not in nodeid]
+    if lost:
+        pytest.exit(
+            f"--dist loadgroup: {len(lost)} tests carry no xdist group in their node id "
+            f"(e.g. {lost[0]}); this pytest and pytest-xdist do not combine (pyproject.toml's "
+            "pytest bound says why)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Any:
