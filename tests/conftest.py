@@ -30,16 +30,17 @@ pytest_plugins = ["train_helpers"]
 # first, they do not end the run with one worker busy and the other idle. The SLURM group sits
 # later so that its image test finds CI's background image build done.
 LONGEST_FIRST = (
-    "test_block",
-    "test_world_size",
     "toy-world",
+    "test_world_size",
     "test_retention_losses",
+    "test_workflow",
     "test_retention",
+    "test_block",
     "slurm",
-    "test_tracking",
-    "test_distributed",
-    "test_sharded_policy",
     "test_hostile_config",
+    "test_tracking",
+    "test_sharded_policy",
+    "test_distributed",
 )
 
 

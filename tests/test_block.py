@@ -130,12 +130,18 @@ def test_an_evaluation_of_a_checkpoint_inside_a_block_waits_for_the_block(tmp_pa
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def blocks_run(reduced_all, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The reduced `all` in blocks of K = 2 (the whole run), finished: (workdir, its run)."""
+    workdir = blocks_workdir(reduced_all, tmp_path_factory.mktemp("blocks"), 2)
+    return workdir, snakemake(workdir, "--cores", "2", "all", timeout=1200)
+
+
 @pytest.mark.slow
-def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all, tmp_path):
+def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all, blocks_run):
     """Every output of the reduced `all` (checkpoints, rollouts, scores, evaluations, the
     summary's table and curves) is the single-round run's, at K = 2 (the whole run)."""
-    workdir = blocks_workdir(reduced_all, tmp_path, 2)
-    result = snakemake(workdir, "--cores", "2", "all", timeout=1200)
+    workdir, result = blocks_run
     assert result.returncode == 0, result.stderr[-4000:]
     assert "rule block:" in result.stdout + result.stderr
     assert "rule train:" not in result.stdout + result.stderr
@@ -153,9 +159,12 @@ def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all,
 
 
 @pytest.mark.slow
-def test_a_deleted_file_of_a_finished_block_reruns_the_block(reduced_all, tmp_path):
-    workdir = blocks_workdir(reduced_all, tmp_path, 2)
-    assert snakemake(workdir, "--cores", "2", "all", timeout=1200).returncode == 0
+def test_a_deleted_file_of_a_finished_block_reruns_the_block(blocks_run, tmp_path):
+    finished, result = blocks_run
+    assert result.returncode == 0, result.stderr[-4000:]
+    # A copy with Snakemake's metadata and the files' mtimes: the finished run, elsewhere.
+    workdir = tmp_path / "workdir"
+    shutil.copytree(finished, workdir, symlinks=True)
     run = workdir / "results/all/jagg/seed-0"
     scores = run / "round-0000/scores"
     before = (scores / "scores.parquet").read_bytes()
