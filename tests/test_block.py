@@ -32,6 +32,7 @@ from workflow_helpers import (
     REDUCED,
     blocks_workdir,
     comparable_outputs,
+    copy_run,
     job_counts,
     snakemake,
     without_blocks,
@@ -162,9 +163,8 @@ def test_the_toy_workflow_in_blocks_writes_what_single_rounds_write(reduced_all,
 def test_a_deleted_file_of_a_finished_block_reruns_the_block(blocks_run, tmp_path):
     finished, result = blocks_run
     assert result.returncode == 0, result.stderr[-4000:]
-    # A copy with Snakemake's metadata and the files' mtimes: the finished run, elsewhere.
     workdir = tmp_path / "workdir"
-    shutil.copytree(finished, workdir, symlinks=True)
+    copy_run(finished, workdir)
     run = workdir / "results/all/jagg/seed-0"
     scores = run / "round-0000/scores"
     before = (scores / "scores.parquet").read_bytes()

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from workflow_helpers import snakemake, synthetic_run
+from workflow_helpers import copy_run, snakemake, synthetic_run
 
 from jagg_pipeline.io.artifacts import OutputError, atomic_directory, atomic_write_text
 from jagg_pipeline.reports.summary import read_run
@@ -161,7 +161,7 @@ def test_every_rename_of_the_atomic_writers_is_followed_by_a_flush_of_its_folder
 
 @pytest.mark.slow
 def test_deleted_outputs_of_a_finished_run_are_rebuilt_with_the_same_curves(tmp_path, reduced_all):
-    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
+    copy_run(reduced_all, tmp_path)
     results = tmp_path / "results/all"
     summary = results / "summary"
     curves = (summary / "curves.png").read_bytes()

@@ -8,13 +8,12 @@ evaluation is a target under its name, and a dry run writes nothing.
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from stage_helpers import tiny_checkpoint
-from workflow_helpers import REDUCED, comparable_outputs, snakemake, write_config
+from workflow_helpers import REDUCED, comparable_outputs, copy_run, snakemake, write_config
 
 from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.io.tables import read_table
@@ -192,7 +191,7 @@ def test_a_dry_run_writes_nothing(tmp_path, reduced_all):
     assert not (fresh / "results").exists()
 
     used = tmp_path / "used"
-    shutil.copytree(reduced_all, used, symlinks=True)
+    copy_run(reduced_all, used)
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in (used / "results").rglob("*")}
     # Another device in a dry run (what rewrote configs that running jobs read).
     done = snakemake(used, "-n", "all", "--config", "backbone={device: meta}")

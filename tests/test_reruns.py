@@ -9,11 +9,10 @@ training round and what follows, and none of the rollouts sampled before the fir
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import pytest
-from workflow_helpers import REDUCED, job_counts, snakemake, write_config
+from workflow_helpers import REDUCED, copy_run, job_counts, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +23,7 @@ SUMMARY_JOBS = {"summary": 1, "track": 1, "compare": 1, "all": 1}
 
 def finished_copy(reduced_all: Path, workdir: Path, edit) -> Path:
     """``reduced_all`` (with its .snakemake records) copied to ``workdir``, its config edited."""
-    shutil.copytree(reduced_all, workdir, symlinks=True, dirs_exist_ok=True)
+    copy_run(reduced_all, workdir)
     data = copy.deepcopy(REDUCED)
     edit(data)
     write_config(workdir, data)

@@ -22,6 +22,7 @@ from block_helpers import round_lines
 from stage_helpers import EVAL_PROMPTS, experiment, tiny_checkpoint, write_prompts
 from workflow_helpers import (
     comparable_outputs,
+    copy_run,
     job_counts,
     snakemake,
     without_blocks,
@@ -84,7 +85,7 @@ def finished(tmp_path_factory) -> Path:
 def _rerun_after_loss(reference: Path, workdir: Path, lost: list[str]) -> dict[str, int]:
     """Copy ``reference`` (with its .snakemake metadata) to ``workdir``, delete ``lost`` (run
     files), run the target again; check what it left and return its job counts."""
-    shutil.copytree(reference, workdir, symlinks=True)
+    copy_run(reference, workdir)
     for name in lost:
         (workdir / RUN / name).unlink()
     result = snakemake(workdir, "--cores", "2", "all", timeout=1200)

@@ -30,6 +30,7 @@ from workflow_helpers import (
     blocks_workdir,
     comparable_outputs,
     containers_config,
+    copy_run,
     without_blocks,
     write_config,
 )
@@ -126,12 +127,6 @@ def on_slurm(workdir: Path, env: dict, *args: str, kill_after: int = KILL_AFTER)
         capture_output=True,
         text=True,
     )
-
-
-def copy_run(reference: Path, workdir: Path) -> Path:
-    """A copy of a finished workdir, with Snakemake's metadata and the files' mtimes."""
-    shutil.copytree(reference, workdir, symlinks=True, dirs_exist_ok=True)
-    return workdir
 
 
 def test_reduced_all_on_slurm_equals_the_local_run(slurm_env, reduced_all, tmp_path):

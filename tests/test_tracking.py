@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow_helpers import REDUCED, snakemake, synthetic_run, write_config
+from workflow_helpers import REDUCED, copy_run, snakemake, synthetic_run, write_config
 
 from jagg_pipeline.reports.summary import RunMetrics, read_run
 from jagg_pipeline.reports.tracker import PARENT_TAG
@@ -443,7 +443,7 @@ def test_a_rerun_whose_files_changed_replaces_its_mlflow_run(mlflow_server, tmp_
 def test_a_failed_push_is_retried_by_the_next_run(mlflow_server, reduced_all, tmp_path):
     """`comparison` with the server unreachable fails at `track` (one line in its log) and keeps
     nothing that passes for up to date: the next run pushes and compares again."""
-    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
+    copy_run(reduced_all, tmp_path)
     config = json.loads(json.dumps(REDUCED))
     config["tracking"] = {"backend": "mlflow", "uri": mlflow_server, "mlflow_experiment": "jagg-wf"}
     write_config(tmp_path, config)

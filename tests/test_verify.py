@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 from train_helpers import flip_byte
-from workflow_helpers import snakemake
+from workflow_helpers import copy_run, snakemake
 
 RUN = "results/all/exact/seed-0"
 
@@ -49,7 +49,7 @@ def bad_lines(result: subprocess.CompletedProcess) -> list[str]:
 @pytest.fixture
 def finished(reduced_all, tmp_path):
     """A private copy of the reduced `all` workdir (with Snakemake's metadata)."""
-    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
+    copy_run(reduced_all, tmp_path)
     return tmp_path
 
 

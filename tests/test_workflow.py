@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from train_helpers import assert_same_checkpoint
-from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, job_counts, snakemake, write_config
+from workflow_helpers import REDUCED, ROOT, SNAKEMAKE, copy_run, job_counts, snakemake, write_config
 
 from jagg_pipeline.io.manifest import stage_digest
 from jagg_pipeline.workflow.experiments import resolve_runs
@@ -298,7 +298,7 @@ def _mtimes(folder: Path) -> dict[str, float]:
 def test_reduced_all_runs_reruns_only_what_an_edit_touches_and_resumes_after_a_kill(
     tmp_path, reduced_all
 ):
-    shutil.copytree(reduced_all, tmp_path, symlinks=True, dirs_exist_ok=True)
+    copy_run(reduced_all, tmp_path)
     results = tmp_path / "results" / "all"
     for variant in ("exact", "jagg"):
         run = results / variant / "seed-0"

@@ -33,6 +33,7 @@ from workflow_helpers import (
     ROOT,
     SNAKEMAKE,
     comparable_outputs,
+    copy_run,
     job_counts,
     snakemake,
     write_config,
@@ -78,7 +79,7 @@ def test_every_output_is_the_same_bytes_at_one_and_two_cores(runs_by_cores):
 
 def test_a_run_finished_on_two_processes_continues_on_one(runs_by_cores, tmp_path):
     workdir = tmp_path / "continued"
-    shutil.copytree(runs_by_cores[2], workdir, symlinks=True)
+    copy_run(runs_by_cores[2], workdir)
     write_config(workdir, _two_process_config(nproc=1))
     same = snakemake(workdir, "--cores", "2", "all", "--dry-run", timeout=300)
     assert same.returncode == 0, same.stderr[-3000:]

@@ -62,6 +62,13 @@ def snakemake(
     )
 
 
+def copy_run(reference: Path, workdir: Path) -> Path:
+    """A copy of a finished workdir, with Snakemake's metadata and the files' mtimes: Snakemake
+    sees the finished run there, and reruns only what a test then changes."""
+    shutil.copytree(reference, workdir, symlinks=True, dirs_exist_ok=True)
+    return workdir
+
+
 def write_config(workdir: Path, data: dict) -> Path:
     """``workdir``/config.yaml holding ``data``."""
     workdir.mkdir(parents=True, exist_ok=True)
