@@ -4,7 +4,7 @@ them, and the metrics of every round stay.
 
 - which rounds are kept (:func:`jagg_pipeline.workflow.experiments.kept_rounds`), and the paths the
   workflow plans for kept and transient rounds;
-- 12 rounds with K = 4 through the workflow train the weights of the in-process loop, which
+- 8 rounds with K = 3 through the workflow train the weights of the in-process loop, which
   keeps every round, bit for bit; only the kept rounds' checkpoints and rollouts are left,
   every round's metric lines are (read by the summary), and a second `snakemake` of the
   finished target has nothing to do.
@@ -28,10 +28,11 @@ from jagg_pipeline.config.run import from_mapping
 from jagg_pipeline.workflow.experiments import resolve_runs
 from jagg_pipeline.workflow.runs import kept_rounds
 
-ROUNDS, KEEP_EVERY, EVAL_EVERY = 12, 4, 6
-# (r + 1) % 4 == 0: rounds 3, 7, 11; evaluated after 6 and 12 rounds: the checkpoints of
-# rounds 5 and 11.
-KEPT = [3, 5, 7, 11]
+ROUNDS, KEEP_EVERY, EVAL_EVERY = 8, 3, 4
+# (r + 1) % 3 == 0: rounds 2 and 5; evaluated after 4 and 8 rounds: the checkpoints of rounds
+# 3 and 7 (7 is also the last). Rounds 0 and 1 are transient one after the other, 4 and 6
+# each between kept rounds.
+KEPT = [2, 3, 5, 7]
 # The in-process loop in a fresh interpreter on one thread, as the workflow's jobs run.
 LOOP = """
 import sys
@@ -44,7 +45,7 @@ run_rounds(load_config(sys.argv[1]), sys.argv[2], final_rollout=False)
 
 
 def _sections(tmp_path: Path) -> dict:
-    """The tiny experiment: 12 rounds, evaluated every 6, on a tiny SD3 and the JPEG reward."""
+    """The tiny experiment: 8 rounds, evaluated every 4, on a tiny SD3 and the JPEG reward."""
     checkpoint = tiny_checkpoint("sd3", tmp_path)
     prompts = write_prompts(tmp_path / "eval_prompts.txt", EVAL_PROMPTS)
     return experiment(
@@ -72,7 +73,7 @@ def test_kept_rounds_are_every_kth_the_last_and_the_evaluated():
     assert kept_rounds(config, KEEP_EVERY) == KEPT
     assert kept_rounds(config, None) == list(range(ROUNDS))
     assert kept_rounds(config, 1) == list(range(ROUNDS))
-    assert kept_rounds(config, 100) == [5, 11]  # evaluated only
+    assert kept_rounds(config, 100) == [3, 7]  # evaluated only
     assert kept_rounds(from_mapping({"train": {"rounds": 5}, "eval": {"every": 10}}), 2) == [
         1,
         3,
@@ -96,14 +97,14 @@ def test_the_workflow_plans_transient_rounds_in_their_own_folder(tmp_path):
     )
     assert counts == {
         "rollout": "5",
-        "rollout_transient": "7",
+        "rollout_transient": "3",
         "train": "5",
-        "train_transient": "7",
+        "train_transient": "3",
     }
     shown = snakemake(tmp_path, "all", "--dry-run", "--printshellcmds", timeout=300).stdout
     assert f"--out {run}/round-0004/transient/checkpoint " in shown
     assert f"--policy {run}/round-0004/transient/checkpoint --round 0005" in shown
-    assert f"--out {run}/round-0005/checkpoint " in shown  # evaluated after 6 rounds
+    assert f"--out {run}/round-0003/checkpoint " in shown  # evaluated after 4 rounds
     assert f"--out {run}/round-0001/checkpoint " in shown  # named by the evaluation
     assert f"Would remove temporary output {run}/round-0004/transient/rollout" in shown
     for kept in [1, *KEPT]:
@@ -123,11 +124,11 @@ def _without_times(path: Path) -> list[dict]:
     ]
 
 
-# 12 rounds of 3 jobs one after another: about 4 minutes on 2 free cores, twice that on a
+# 8 rounds of 3 jobs one after another: about 3 minutes on 2 free cores, twice that on a
 # busy machine.
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_keeping_every_fourth_round_trains_the_same_weights_and_reruns_nothing(tmp_path):
+def test_keeping_every_third_round_trains_the_same_weights_and_reruns_nothing(tmp_path):
     from jagg_pipeline.reports.summary import read_run
 
     sections = {**_sections(tmp_path), "tracking": {"backend": "none"}}
@@ -170,8 +171,8 @@ def test_keeping_every_fourth_round_trains_the_same_weights_and_reruns_nothing(t
         assert all(torch.equal(ours[k], reference[k]) for k in ours), name
     assert sorted(p.name for p in (run / "eval").iterdir()) == [
         "trained-0000",
-        "trained-0006",
-        "trained-0012",
+        "trained-0004",
+        "trained-0008",
     ]
     metrics = read_run(run, "jagg", 0)
     for stage in ("rollout", "score", "train"):
