@@ -4,8 +4,9 @@ nothing written anywhere; what a hostile-looking but valid config needs (merge k
 
 Every refusal runs ``snakemake -n`` on the reduced experiment (workflow_helpers.REDUCED) with
 one hostile change, in a work folder of its own beside files the hostile values aim at. The
-dry runs of the battery run a few at a time in one fixture (each spends most of its time
-starting Snakemake), and each case is then its own test.
+dry runs of the battery run four at a time in one fixture, each in a fresh process forked from
+one that imported Snakemake already (the import was most of a dry run's time), and each case
+is then its own test.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from stage_helpers import tiny_checkpoint
-from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, write_config
+from workflow_helpers import REDUCED, SNAKEMAKE, snakemake, snakemake_forked, write_config
 
 from jagg_pipeline.config.fields import ConfigError
 from jagg_pipeline.config.yaml_io import read_yaml
@@ -164,18 +163,13 @@ def _flux_folder(folder: Path) -> str:
     return str(checkpoint)
 
 
-# The cases run in threads; diffusers' lazy imports are not safe to race.
-_BUILDING = threading.Lock()
-
-
 def _guidance_on(family: str, crossed: bool) -> Callable:
     """A Flux-style ``backbone.guidance_scale`` on a tiny ``family`` checkpoint (one per family
-    in the battery's folder: the cases build theirs at once), set in the base sections and
+    in the battery's folder, built by the first case that asks), set in the base sections and
     either the base's checkpoint or inherited by the one entry of a cross group."""
 
     def change(data: dict, folder: Path) -> dict:
-        with _BUILDING:
-            path = tiny_checkpoint(family, folder.parent)
+        path = tiny_checkpoint(family, folder.parent)
         checkpoint = {"family": family, "path": str(path)}
         data["backbone"] = {"guidance_scale": 3.5, **({} if crossed else checkpoint)}
         if crossed:
@@ -478,7 +472,8 @@ def _files(folder: Path) -> set[str]:
     }
 
 
-def _run(case: Case, folder: Path) -> Outcome:
+def _prepare(case: Case, folder: Path) -> Path:
+    """The work folder of ``case``: the reduced experiment with its hostile change."""
     work = folder / "work"
     work.mkdir(parents=True)
     data = case.change(copy.deepcopy(REDUCED), folder)
@@ -486,28 +481,30 @@ def _run(case: Case, folder: Path) -> Outcome:
         (work / "config.yaml").write_text(data)
     else:
         write_config(work, data)
-    before = _files(folder)
-    root_before = set(os.listdir("/"))
-    start = time.perf_counter()
-    done = snakemake(work, "-n", "all", *case.args, timeout=300)
-    seconds = time.perf_counter() - start
-    return Outcome(
-        done.returncode,
-        done.stdout + done.stderr,
-        seconds,
-        sorted(_files(folder) - before),
-        root_before,
-        set(os.listdir("/")),
-    )
+    return work
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, Outcome]:
-    """Every case's dry run, four at a time."""
+    """Every case's dry run, four at a time, each in a fresh process."""
     base = tmp_path_factory.mktemp("hostile")
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {case.name: pool.submit(_run, case, base / case.name) for case in CASES}
-    return {name: future.result() for name, future in futures.items()}
+    works = {case.name: _prepare(case, base / case.name) for case in CASES}
+    before = {name: _files(work.parent) for name, work in works.items()}
+    root_before = set(os.listdir("/"))
+    calls = {case.name: [str(works[case.name]), "-n", "all", *case.args] for case in CASES}
+    done = snakemake_forked(calls, processes=4)
+    root_after = set(os.listdir("/"))
+    return {
+        name: Outcome(
+            returncode,
+            output,
+            seconds,
+            sorted(_files(works[name].parent) - before[name]),
+            root_before,
+            root_after,
+        )
+        for name, (returncode, output, seconds) in done.items()
+    }
 
 
 def test_the_battery_is_large_and_its_cases_distinct():

@@ -6,8 +6,8 @@ brings up (.ci/run does). Without a cluster these tests skip, unless CI=true: th
 - its rounds as blocks (workflow.rounds_per_job 2): one allocation per run, the same outputs;
 - a job that fails under SLURM is reported failed and snakemake exits non-zero, in bounded time;
 - `scancel` of a running training job, then a rerun: the checkpoint of an uninterrupted run;
-- under `--sdm apptainer` each job runs in its rule's image (conftest.py's ``images``), with
-  the same outputs as the local venv run.
+- under `--sdm apptainer` each job of the rounds runs in its rule's image (conftest.py's
+  ``images``), with the same outputs as the local venv run.
 
 Snakemake runs under `timeout -s KILL` (a status query that never answers would
 hang it, deaf to SIGTERM); the jobs a test leaves behind are cancelled when the module ends.
@@ -31,6 +31,7 @@ from workflow_helpers import (
     comparable_outputs,
     containers_config,
     copy_run,
+    with_toy_world_of,
     without_blocks,
     write_config,
 )
@@ -228,6 +229,9 @@ def test_scancel_of_a_training_job_then_a_rerun_gives_the_uninterrupted_checkpoi
 def test_reduced_all_on_slurm_in_the_images_equals_the_local_venv_run(
     slurm_env, images, reduced_all, tmp_path
 ):
+    # From the toy world: its build in the images is test_containers' (from scratch), and on
+    # SLURM the first test's here; what this adds is every round's job on SLURM in its image.
+    with_toy_world_of(reduced_all, tmp_path)
     write_config(tmp_path, containers_config(images))
     env = {**slurm_env, "PATH": images["PATH"]}
     result = on_slurm(tmp_path, env, "all", "comparison", "--sdm", "apptainer")

@@ -2,8 +2,9 @@
 
 The reduced `all` with one variant trained on two processes (workflow_helpers.REDUCED):
 
-- run from scratch at ``--cores 1`` and at ``--cores 2``, every output is byte-identical
-  (the launch pins every thread count of every rank);
+- run at ``--cores 1`` (from scratch) and at ``--cores 2`` (from the reduced `all`'s toy
+  world, built at ``--cores 2``), every output is byte-identical (the launch pins every
+  thread count of every rank);
 - finished at ``train.nproc`` 2, the same run asked at ``train.nproc`` 1 has nothing to do,
   and with a round more it runs that round alone (from the two-process checkpoint);
 - a SIGKILL of Snakemake's process group, or of the torchrun agent alone, leaves no rank
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +36,7 @@ from workflow_helpers import (
     copy_run,
     job_counts,
     snakemake,
+    with_toy_world_of,
     write_config,
 )
 
@@ -56,11 +57,15 @@ def _two_process_config(nproc: int = 2, rounds: int = 2) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs_by_cores(tmp_path_factory) -> dict[int, Path]:
-    """The two-process run, from scratch, at --cores 1 and at --cores 2 (its workdirs)."""
+def runs_by_cores(tmp_path_factory, request) -> dict[int, Path]:
+    """The two-process run at --cores 1 and at --cores 2 (its workdirs): at 1 from scratch, at
+    2 from the toy world and prompt pools that the reduced `all` built at --cores 2 (the same
+    toy world settings), so that every output of both core counts is still compared."""
     workdirs = {}
     for cores in (1, 2):
         workdir = tmp_path_factory.mktemp(f"cores-{cores}")
+        if cores == 2:  # asked for only now: another worker may be building it meanwhile
+            with_toy_world_of(request.getfixturevalue("reduced_all"), workdir)
         write_config(workdir, _two_process_config())
         done = snakemake(workdir, "--cores", str(cores), "all", timeout=1800)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -150,9 +155,8 @@ def _kill_and_check(kill, marker: str, output: Path) -> None:
 
 
 def test_a_sigkill_of_snakemakes_process_group_leaves_no_rank(runs_by_cores, tmp_path):
-    workdir = tmp_path / "killed"
-    for folder in ("toyworld", "conditioning"):  # the first job over the ranks starts at once
-        shutil.copytree(runs_by_cores[2] / "results" / folder, workdir / "results" / folder)
+    # From the toy world: the first job over the ranks starts at once.
+    workdir = with_toy_world_of(runs_by_cores[2], tmp_path / "killed")
     write_config(workdir, _two_process_config())
     job = subprocess.Popen(
         [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "all"],

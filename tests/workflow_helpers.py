@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import copy
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+SNAKEFILE = ["--snakefile", str(ROOT / "Snakefile")]
+SNAKEMAKE = [sys.executable, "-m", "snakemake", *SNAKEFILE]
 REDUCED = {
     "sampler": {"prompts_per_round": 2, "group_size": 4, "batch_size": 8},
     "eval": {"max_prompts": 4, "samples_per_prompt": 1, "num_steps": 6, "every": 2},
@@ -60,6 +65,53 @@ def snakemake(
         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         timeout=timeout,
     )
+
+
+def _snakemake_in_this_process(argv: list[str], output: str) -> tuple[int, float]:
+    """`snakemake ARGV` as ``python -m snakemake`` runs it, stdout and stderr to the file
+    ``output``: the exit status and the seconds it ran."""
+    import snakemake.cli
+
+    with open(output, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    start = time.perf_counter()
+    try:
+        snakemake.cli.main(argv)
+        status = 0
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else int(done.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return status, time.perf_counter() - start
+
+
+def snakemake_forked(
+    calls: dict[str, list[str]], processes: int, timeout: float = 300
+) -> dict[str, tuple[int, str, float]]:
+    """Run the repository's Snakefile once per ``calls`` entry (name -> [workdir, *args]),
+    ``processes`` at a time, each in a fresh process forked from one that imported Snakemake
+    already (a second of each call otherwise): name -> (exit status, stdout and stderr, s).
+
+    For calls that start no jobs (dry runs): a forked process has this process's environment.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["snakemake.cli", "workflow_helpers"])
+    with tempfile.TemporaryDirectory() as outputs:
+        with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
+            futures = {
+                name: pool.submit(
+                    _snakemake_in_this_process,
+                    [*SNAKEFILE, "--directory", workdir, *args],
+                    os.path.join(outputs, f"{n}.txt"),
+                )
+                for n, (name, (workdir, *args)) in enumerate(calls.items())
+            }
+            done = {name: future.result(timeout=timeout) for name, future in futures.items()}
+        return {
+            name: (status, Path(outputs, f"{n}.txt").read_text(), seconds)
+            for n, (name, (status, seconds)) in enumerate(done.items())
+        }
 
 
 def copy_run(reference: Path, workdir: Path) -> Path:
@@ -158,11 +210,18 @@ def synthetic_run(
     return folder
 
 
+def with_toy_world_of(reference: Path, workdir: Path) -> Path:
+    """``workdir`` holding the toy world and prompt pools of ``reference`` (a finished reduced
+    `all`), mtimes kept: a run of REDUCED's toy world there starts at its first round."""
+    for folder in ("toyworld", "conditioning"):
+        shutil.copytree(reference / "results" / folder, workdir / "results" / folder)
+    return workdir
+
+
 def blocks_workdir(reference: Path, workdir: Path, rounds_per_job: int) -> Path:
     """The reduced `all` at ``workflow.rounds_per_job``, in ``workdir``, starting from the
     toy world and prompt pools of ``reference`` (a finished reduced `all`)."""
-    for folder in ("toyworld", "conditioning"):
-        shutil.copytree(reference / "results" / folder, workdir / "results" / folder)
+    with_toy_world_of(reference, workdir)
     data = copy.deepcopy(REDUCED)
     data["workflow"]["rounds_per_job"] = rounds_per_job
     write_config(workdir, data)
