@@ -81,9 +81,11 @@ images:
 	containers/build.sh $(if $(SANDBOX),--sandbox)
 
 # pytest exits 5 when it collects nothing; make treats that as the failure it is.
-# The suite runs on every core (pytest-xdist), a test file per worker at a time, files that
-# share a service together (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= auto
+# The suite runs on pytest-xdist workers, a test file per worker at a time, files that share a
+# service together (tests/conftest.py); TEST_WORKERS=0 runs it in this process. One worker
+# more than cores: the SLURM tests spend much of their time waiting on SLURM's status polls,
+# and the extra worker uses those idle cores.
+TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 1)))
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 

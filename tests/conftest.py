@@ -3,8 +3,8 @@
 Tiny models on a shared 2-core machine run fastest on one thread; the suite is also run with
 ``JAGG_TEST_THREADS=2`` to show that no assertion depends on the float rounding of one setting.
 The shared fixtures: those defined here, and the training helpers' (``pytest_plugins``).
-Under pytest-xdist (``make test`` runs ``-n 2``) the expensive session fixtures are built once
-for all workers (``built_once``), not once per worker.
+Under pytest-xdist (``make test`` runs a worker per core and one more) the expensive session
+fixtures are built once for all workers (``built_once``), not once per worker.
 """
 
 import os
@@ -27,16 +27,16 @@ pytest_plugins = ["train_helpers"]
 
 
 # The groups that take minutes, longest first (results/ci-junit.xml of a CI run): started
-# first, they do not end the run with one worker busy and the other idle. The SLURM group sits
-# later so that its image test finds CI's background image build done.
+# first, they do not end the run with one worker busy and the others idle. The SLURM group's
+# image test, its last, comes some ten minutes in, after CI's background image build.
 LONGEST_FIRST = (
+    "slurm",
     "toy-world",
     "test_world_size",
     "test_retention_losses",
     "test_workflow",
     "test_retention",
     "test_block",
-    "slurm",
     "test_hostile_config",
     "test_tracking",
     "test_sharded_policy",
