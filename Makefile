@@ -84,10 +84,12 @@ images:
 # The suite runs on pytest-xdist workers, a test file per worker at a time, files that share a
 # service together (tests/conftest.py); TEST_WORKERS=0 runs it in this process. One worker
 # more than cores: the SLURM tests spend much of their time waiting on SLURM's status polls,
-# and the extra worker uses those idle cores.
+# and the extra worker uses those idle cores. --no-loadscope-reorder: the groups start in the
+# order conftest.py gives them (the longest first), not by their number of tests.
 TEST_WORKERS ?= $(shell echo $$(($$(nproc) + 1)))
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	    --no-loadscope-reorder
 
 format: $(STAMP)
 	$(BIN)/ruff format jagg_pipeline tests benchmarks

@@ -27,8 +27,10 @@ pytest_plugins = ["train_helpers"]
 
 
 # The groups that take minutes, longest first (results/ci-junit.xml of a CI run): started
-# first, they do not end the run with one worker busy and the others idle. The SLURM group's
-# image test, its last, comes some ten minutes in, after CI's background image build.
+# first, they do not end the run with one worker busy and the others idle (xdist keeps this
+# order only under --no-loadscope-reorder, which `make test` passes; by default it starts the
+# groups with the most tests first). The SLURM group's image test, its last, comes some ten
+# minutes in, after CI's background image build.
 LONGEST_FIRST = (
     "slurm",
     "toy-world",
