@@ -93,24 +93,26 @@ def snakemake_forked(
     ``processes`` at a time, each in a fresh process forked from one that imported Snakemake
     already (a second of each call otherwise): name -> (exit status, stdout and stderr, s).
 
-    For calls that start no jobs (dry runs): a forked process has this process's environment.
+    For calls that start no jobs (dry runs): a forked process has the environment this process
+    had when the first call started the fork server.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["snakemake.cli", "workflow_helpers"])
-    with tempfile.TemporaryDirectory() as outputs:
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = {name: Path(folder, f"{n}.txt") for n, name in enumerate(calls)}
         with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
             futures = {
                 name: pool.submit(
                     _snakemake_in_this_process,
                     [*SNAKEFILE, "--directory", workdir, *args],
-                    os.path.join(outputs, f"{n}.txt"),
+                    str(outputs[name]),
                 )
-                for n, (name, (workdir, *args)) in enumerate(calls.items())
+                for name, (workdir, *args) in calls.items()
             }
             done = {name: future.result(timeout=timeout) for name, future in futures.items()}
         return {
-            name: (status, Path(outputs, f"{n}.txt").read_text(), seconds)
-            for n, (name, (status, seconds)) in enumerate(done.items())
+            name: (status, outputs[name].read_text(), seconds)
+            for name, (status, seconds) in done.items()
         }
 
 
